@@ -7,10 +7,11 @@ every ring at once. shm imports nothing else of the project.
 
 from shm._ring import PeerDiedError, RecordTooLargeError, RingError, SegmentError
 from shm.control import Control
-from shm.ring import HEADER_SIZE, Record, RecordView, Ring
+from shm.ring import FLAG_NO_PURGE, HEADER_SIZE, Record, RecordView, Ring
 from shm.segments import list_segments, reap_stale, segment_name
 
 __all__ = [
+    "FLAG_NO_PURGE",
     "HEADER_SIZE",
     "Control",
     "PeerDiedError",

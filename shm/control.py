@@ -64,6 +64,23 @@ class Control:
         """Bump the session's epoch, purging its queued records everywhere; return the new one."""
         return self._core.cancel(session)
 
+    def open_session(self) -> int | None:
+        """Claim a free session id for this process (its epoch is bumped, so nothing a previous
+        holder queued is delivered); None when every slot is taken."""
+        return self._core.claim()
+
+    def close_session(self, session: int) -> None:
+        """Free a session id; records still queued for it become stale."""
+        self._core.release(session)
+
+    def holder(self, session: int) -> int:
+        """pid of the process holding the session id, 0 if free."""
+        return self._core.holder(session)
+
+    def open_sessions(self) -> list[int]:
+        """Session ids currently held by some process."""
+        return [s for s in range(self.max_sessions) if self._core.holder(s)]
+
     def close(self) -> None:
         """Unmap; the owner also unlinks. Safe to call twice."""
         self._core.close()

@@ -11,6 +11,8 @@ from shm.segments import normalize, reap_if_stale, track_owned
 
 HEADER_SIZE: int = _ring.HEADER_SIZE
 """Bytes of header in front of every record's payload."""
+FLAG_NO_PURGE: int = _ring.FLAG_NO_PURGE
+"""Record flag: delivered even when its session's epoch moved on (session control, cancels)."""
 
 
 class Record(NamedTuple):

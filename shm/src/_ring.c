@@ -179,6 +179,38 @@ static PyObject *Control_cancel(ControlObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLong(epoch);
 }
 
+static PyObject *Control_claim(ControlObject *self, PyObject *unused) {
+    uint32_t session;
+    if (control_check(self) < 0)
+        return NULL;
+    if (og_control_claim(self->shared, (int32_t)getpid(), &session) != OG_OK)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLong(session);
+}
+
+static PyObject *Control_release(ControlObject *self, PyObject *arg) {
+    unsigned long session = PyLong_AsUnsignedLong(arg);
+    if ((session == (unsigned long)-1 && PyErr_Occurred()) || control_check(self) < 0)
+        return NULL;
+    if (session > UINT32_MAX || og_control_release(self->shared, (uint32_t)session)) {
+        return PyErr_Format(PyExc_ValueError, "session %lu is outside control segment %s "
+                            "(max_sessions=%u)", session, self->name, self->shared->max_sessions);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Control_holder(ControlObject *self, PyObject *arg) {
+    unsigned long session = PyLong_AsUnsignedLong(arg);
+    int32_t pid;
+    if ((session == (unsigned long)-1 && PyErr_Occurred()) || control_check(self) < 0)
+        return NULL;
+    if (session > UINT32_MAX || og_control_holder(self->shared, (uint32_t)session, &pid)) {
+        return PyErr_Format(PyExc_ValueError, "session %lu is outside control segment %s "
+                            "(max_sessions=%u)", session, self->name, self->shared->max_sessions);
+    }
+    return PyLong_FromLong(pid);
+}
+
 static PyObject *Control_close(ControlObject *self, PyObject *unused) {
     if (self->shared) {
         munmap(self->shared, self->size);
@@ -214,6 +246,9 @@ static PyObject *Control_get_closed(ControlObject *self, void *c) {
 static PyMethodDef Control_methods[] = {
     {"epoch", (PyCFunction)Control_epoch, METH_O, "The session's current epoch."},
     {"cancel", (PyCFunction)Control_cancel, METH_O, "Increment the session's epoch; return it."},
+    {"claim", (PyCFunction)Control_claim, METH_NOARGS, "Claim a free session slot."},
+    {"release", (PyCFunction)Control_release, METH_O, "Free a session slot."},
+    {"holder", (PyCFunction)Control_holder, METH_O, "pid holding a slot, 0 if free."},
     {"close", (PyCFunction)Control_close, METH_NOARGS, "Unmap (and unlink, for the owner)."},
     {NULL}};
 
@@ -768,6 +803,7 @@ PyMODINIT_FUNC PyInit__ring(void) {
         PyModule_AddObjectRef(m, "ControlCore", (PyObject *)&ControlType) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_SIZE", sizeof(og_record_header)) < 0 ||
         PyModule_AddIntConstant(m, "KIND_RESERVED", OG_KIND_RESERVED) < 0 ||
+        PyModule_AddIntConstant(m, "FLAG_NO_PURGE", OG_FLAG_NO_PURGE) < 0 ||
         PyModule_AddIntConstant(m, "LAYOUT_VERSION", OG_LAYOUT_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -33,7 +33,7 @@ size_t og_ring_segment_size(uint64_t capacity) {
 }
 
 size_t og_control_segment_size(uint32_t max_sessions) {
-    return sizeof(og_control_shared) + (size_t)max_sessions * sizeof(uint32_t);
+    return sizeof(og_control_shared) + 2 * (size_t)max_sessions * sizeof(uint32_t);
 }
 
 /* A record may take at most half the ring, so that one always fits once the ring drains,
@@ -108,6 +108,38 @@ og_status og_control_cancel(og_control_shared *c, uint32_t session, uint32_t *ne
     if (session >= c->max_sessions)
         return OG_BAD_SESSION;
     *new_epoch = atomic_fetch_add_explicit(&c->epochs[session], 1, memory_order_acq_rel) + 1;
+    return OG_OK;
+}
+
+static inline _Atomic uint32_t *slot_of(og_control_shared *c, uint32_t session) {
+    return &c->epochs[c->max_sessions + session];
+}
+
+og_status og_control_claim(og_control_shared *c, int32_t holder_pid, uint32_t *session) {
+    for (uint32_t s = 0; s < c->max_sessions; s++) {
+        uint32_t expected = OG_SLOT_FREE;
+        if (atomic_compare_exchange_strong(slot_of(c, s), &expected, (uint32_t)holder_pid)) {
+            atomic_fetch_add_explicit(&c->epochs[s], 1, memory_order_acq_rel);
+            *session = s;
+            return OG_OK;
+        }
+    }
+    return OG_NO_SLOT;
+}
+
+og_status og_control_release(og_control_shared *c, uint32_t session) {
+    if (session >= c->max_sessions)
+        return OG_BAD_SESSION;
+    /* bump first: whatever the old holder left queued is stale before the slot is reused */
+    atomic_fetch_add_explicit(&c->epochs[session], 1, memory_order_acq_rel);
+    atomic_store_explicit(slot_of(c, session), OG_SLOT_FREE, memory_order_release);
+    return OG_OK;
+}
+
+og_status og_control_holder(og_control_shared *c, uint32_t session, int32_t *holder_pid) {
+    if (session >= c->max_sessions)
+        return OG_BAD_SESSION;
+    *holder_pid = (int32_t)atomic_load_explicit(slot_of(c, session), memory_order_acquire);
     return OG_OK;
 }
 
@@ -280,7 +312,7 @@ og_status og_ring_peek(og_ring *ring, og_record_header *out, const uint8_t **pay
         if (total > contiguous || total > head - tail)
             return OG_CORRUPT;
         og_control_shared *c = ring->control;
-        if (c && h->session < c->max_sessions) {
+        if (c && !(h->flags & OG_FLAG_NO_PURGE) && h->session < c->max_sessions) {
             uint32_t current =
                 atomic_load_explicit(&c->epochs[h->session], memory_order_acquire);
             if ((int32_t)(h->epoch - current) < 0) { /* older epoch, wrap-safe */

@@ -32,6 +32,8 @@
 /* kind values at or above this are reserved by the ring itself */
 #define OG_KIND_RESERVED 0xFF00u
 #define OG_KIND_WRAP 0xFFFFu
+/* record flag: deliver whatever the session's epoch (session open/close, cancel itself) */
+#define OG_FLAG_NO_PURGE 0x8000u
 
 typedef enum {
     OG_OK = 0,
@@ -46,6 +48,7 @@ typedef enum {
     OG_BAD_SIZE = 9,    /* segment smaller than its header claims */
     OG_BAD_SESSION = 10,/* session id outside the control segment */
     OG_CORRUPT = 11,    /* a record header that cannot be right */
+    OG_NO_SLOT = 12,    /* every session slot is taken */
 } og_status;
 
 /* 32 bytes in front of every payload. */
@@ -102,8 +105,11 @@ typedef struct {
     uint32_t _pad;
     uint64_t created_ns;
     char _pad0[OG_CACHE_LINE - 32];
-    _Atomic uint32_t epochs[]; /* one per session */
+    _Atomic uint32_t epochs[]; /* one per session, then one slot state per session */
 } og_control_shared;
+
+/* slot states after the epochs: who holds each session id */
+#define OG_SLOT_FREE 0u
 
 /* A process-local handle on a mapped ring. */
 typedef struct {
@@ -131,6 +137,12 @@ og_status og_control_open(og_control_shared *control, size_t segment_size);
 /* Epochs. */
 og_status og_control_epoch(og_control_shared *c, uint32_t session, uint32_t *epoch);
 og_status og_control_cancel(og_control_shared *c, uint32_t session, uint32_t *new_epoch);
+/* Session slots, so that several processes can hand out session ids without clashing:
+ * claim a free slot for `holder_pid` (its epoch is bumped, purging anything a previous holder
+ * left queued), release it, read who holds it (0 when free). */
+og_status og_control_claim(og_control_shared *c, int32_t holder_pid, uint32_t *session);
+og_status og_control_release(og_control_shared *c, uint32_t session);
+og_status og_control_holder(og_control_shared *c, uint32_t session, int32_t *holder_pid);
 
 /* Producer. `hdr` gives kind, flags, session and epoch; seq and t_ns are stamped here.
  * timeout_ns < 0 waits forever, 0 does not wait. Waiting happens in slices of at most

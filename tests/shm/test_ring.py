@@ -72,6 +72,13 @@ def test_stale_epoch_records_are_skipped_and_counted(ring: Ring, control: Contro
     assert ring.stats()["skipped"] == 2
 
 
+def test_no_purge_flag_survives_a_cancel(ring: Ring, control: Control) -> None:
+    ring.push(b"data", session=4, kind=1)
+    ring.push(b"close", session=4, kind=2, flags=shm.FLAG_NO_PURGE)
+    control.cancel(4)
+    assert [r.payload for r in iter(lambda: ring.pop(0), None)] == [b"close"]
+
+
 def test_explicit_epoch_and_future_epochs(ring: Ring, control: Control) -> None:
     control.cancel(1)
     ring.push(b"stale", session=1, kind=1, epoch=0)
@@ -208,3 +215,20 @@ def test_owner_close_unlinks(control: Control) -> None:
 def test_negative_timeout_is_rejected(ring: Ring) -> None:
     with pytest.raises(ValueError, match="timeout"):
         ring.pop(timeout=-1)
+
+
+def test_session_slots_are_claimed_once_and_purged_on_reuse(ring: Ring, control: Control) -> None:
+    small = Control.create(segment_name("test-slots"), 2)
+    try:
+        a, b = small.open_session(), small.open_session()
+        assert {a, b} == {0, 1}
+        assert small.open_session() is None  # full
+        assert small.holder(a) == os.getpid()
+        assert small.open_sessions() == [0, 1]
+        epoch = small.epoch(a)
+        small.close_session(a)
+        assert small.holder(a) == 0
+        assert small.epoch(a) == epoch + 1  # what the old holder queued is now stale
+        assert small.open_session() == a
+    finally:
+        small.close()
