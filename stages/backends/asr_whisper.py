@@ -1,0 +1,287 @@
+"""Whisper speech recognizer through transformers (a local folder, or a hub id already cached).
+
+Whisper is not a streaming model: it transcribes windows of up to 30 s. A stream buffers the
+turn's audio and re-decodes the whole buffer each time ``partial_interval_ms`` more audio has
+arrived, which gives partial transcripts at that pace, and decodes once more at ``finish``. A turn
+longer than a window is cut into consecutive 30 s windows; the text of a full window is kept and
+not re-decoded (a word that straddles the cut may be lost).
+
+One model serves all streams of the process; decodes are serialized by a lock.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stages.backends.speech import (
+    ASR_SAMPLE_RATE,
+    SpeechOptionError,
+    StreamClosedError,
+    as_pcm16,
+    load_error,
+    pcm16_to_float,
+    reject_unknown_options,
+    resolve_model_path,
+    warn_if_random_weights,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def load_whisper(
+    model: str,
+    device: str = "cpu",
+    partial_interval_ms: int = 600,
+    *,
+    language: str | None = "en",
+    task: str = "transcribe",
+    max_new_tokens: int | None = None,
+    dtype: str | None = None,
+    num_threads: int | None = None,
+    warmup: bool = True,
+    **unknown: Any,
+) -> WhisperRecognizer:
+    """Load a Whisper checkpoint (folder with config, weights and processor files, or hub id).
+
+    ``partial_interval_ms``: audio between partial re-decodes (0: no partials, only the final).
+    ``language``/``task``: for multilingual checkpoints (ignored by English-only ones).
+    ``max_new_tokens``: cap per decode (default: the checkpoint's ``max_length``).
+    ``dtype``: float32 on the CPU, float16 on CUDA unless given. ``num_threads``: torch intra-op
+    threads of this process (process-wide). ``warmup``: run one decode now so the first turn is not
+    slow.
+    """
+    import torch
+
+    reject_unknown_options(
+        "whisper",
+        unknown,
+        (
+            "model",
+            "device",
+            "partial_interval_ms",
+            "language",
+            "task",
+            "max_new_tokens",
+            "dtype",
+            "num_threads",
+            "warmup",
+        ),
+    )
+    if isinstance(partial_interval_ms, bool) or not isinstance(partial_interval_ms, int):
+        raise SpeechOptionError(
+            f"whisper option partial_interval_ms={partial_interval_ms!r} must be an int (ms)"
+        )
+    if partial_interval_ms < 0:
+        raise SpeechOptionError(
+            f"whisper option partial_interval_ms={partial_interval_ms} must be >= 0 "
+            "(0: no partials)"
+        )
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+        raise SpeechOptionError(f"whisper option max_new_tokens={max_new_tokens!r} must be >= 1")
+    if task not in ("transcribe", "translate"):
+        raise SpeechOptionError(f"whisper option task={task!r} must be 'transcribe' or 'translate'")
+    torch_device = _torch_device(device)
+    torch_dtype = _torch_dtype(dtype, torch_device)
+    if num_threads is not None:
+        if not isinstance(num_threads, int) or num_threads < 1:
+            raise SpeechOptionError(f"whisper option num_threads={num_threads!r} must be >= 1")
+        torch.set_num_threads(num_threads)
+
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    path = resolve_model_path(model, "whisper model")
+    random_weights = warn_if_random_weights(path, "whisper model")
+    started = time.perf_counter()
+    try:
+        processor = WhisperProcessor.from_pretrained(path)
+        network = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch_dtype)
+    except OSError as exc:
+        raise load_error("whisper model", path, exc) from exc
+    network.to(torch_device).eval()
+    recognizer = WhisperRecognizer(
+        network,
+        processor,
+        partial_interval_ms=partial_interval_ms,
+        language=language,
+        task=task,
+        max_new_tokens=max_new_tokens,
+        random_weights=random_weights,
+    )
+    if warmup:
+        recognizer.transcribe(np.zeros(ASR_SAMPLE_RATE, dtype=np.int16))
+    logger.info(
+        "whisper %s loaded on %s (%s) in %.2f s",
+        path,
+        torch_device,
+        str(torch_dtype).removeprefix("torch."),
+        time.perf_counter() - started,
+    )
+    return recognizer
+
+
+def _torch_device(device: str) -> torch.device:
+    import torch
+
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise SpeechOptionError(f"whisper option device={device!r}: {exc}") from exc
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise SpeechOptionError(f"whisper option device={device!r}: CUDA is not available here")
+    return torch_device
+
+
+def _torch_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    import torch
+
+    if dtype is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise SpeechOptionError(f"whisper option dtype={dtype!r} must be one of {_DTYPES}")
+    return getattr(torch, dtype)
+
+
+class WhisperRecognizer:
+    """A loaded Whisper model and processor; streams share it, one decode at a time."""
+
+    name = "whisper"
+    sample_rate = ASR_SAMPLE_RATE
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        *,
+        partial_interval_ms: int = 600,
+        language: str | None = "en",
+        task: str = "transcribe",
+        max_new_tokens: int | None = None,
+        random_weights: bool = False,
+    ) -> None:
+        self._model = model
+        self._processor = processor
+        self.partial_interval_ms = partial_interval_ms
+        self.random_weights = random_weights
+        #: Audio one decode sees: the feature extractor pads or cuts everything to this (30 s).
+        self.window_samples: int = int(processor.feature_extractor.n_samples)
+        self._lock = threading.Lock()
+        self._generation_config = copy.deepcopy(model.generation_config)
+        self._generate_kwargs: dict[str, Any] = {}
+        if max_new_tokens is not None:
+            # Both set makes transformers complain; max_new_tokens is what we mean.
+            self._generation_config.max_new_tokens = max_new_tokens
+            self._generation_config.max_length = None
+        if getattr(self._generation_config, "is_multilingual", False):
+            self._generate_kwargs["task"] = task
+            if language is not None:
+                self._generate_kwargs["language"] = self._language_code(language)
+
+    def open_stream(self) -> WhisperStream:
+        """Start a turn (cheap: a stream is an audio buffer)."""
+        return WhisperStream(self)
+
+    def transcribe(self, pcm16: np.ndarray) -> str:
+        """Transcribe up to one window of 16 kHz int16 audio."""
+        import torch
+
+        features = self._processor.feature_extractor(
+            pcm16_to_float(pcm16), sampling_rate=ASR_SAMPLE_RATE, return_tensors="pt"
+        ).input_features
+        features = features.to(self._model.device, self._model.dtype)
+        with self._lock, torch.inference_mode():
+            token_ids = self._model.generate(
+                features, generation_config=self._generation_config, **self._generate_kwargs
+            )
+        return self._processor.tokenizer.batch_decode(token_ids, skip_special_tokens=True)[
+            0
+        ].strip()
+
+    def _language_code(self, language: str) -> str:
+        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+        code = TO_LANGUAGE_CODE.get(language.lower(), language.lower())
+        known = getattr(self._generation_config, "lang_to_id", None) or {}
+        if f"<|{code}|>" not in known:
+            sample = ", ".join(sorted(token.strip("<|>") for token in known)[:12])
+            raise SpeechOptionError(
+                f"whisper option language={language!r}: not a language of this model "
+                f"({len(known)} known: {sample}{', ...' if len(known) > 12 else ''})"
+            )
+        return code
+
+
+class WhisperStream:
+    """One turn: buffered audio, re-decoded for partials every ``partial_interval_ms``."""
+
+    def __init__(self, recognizer: WhisperRecognizer) -> None:
+        self._recognizer = recognizer
+        self._chunks: list[np.ndarray] = []
+        self._buffered = 0  # samples in the current window
+        self._since_decode = 0  # samples fed since the last partial decode
+        self._committed: list[str] = []  # text of the full windows already cut off
+        self._partial = ""
+        self._interval = ASR_SAMPLE_RATE * recognizer.partial_interval_ms // 1000
+        self._done = False
+
+    def feed(self, pcm16: np.ndarray) -> str | None:
+        """Buffer audio; re-decode when enough came since the last decode; report a change."""
+        if self._done:
+            raise StreamClosedError("cannot feed: this recognizer stream is finished or closed")
+        pcm16 = as_pcm16(pcm16)
+        if len(pcm16) == 0:
+            return None
+        self._chunks.append(pcm16.copy())
+        self._buffered += len(pcm16)
+        self._since_decode += len(pcm16)
+        self._commit_full_windows()
+        if self._interval == 0 or self._since_decode < self._interval or self._buffered == 0:
+            return None
+        self._since_decode = 0
+        text = self._text(self._recognizer.transcribe(self._window()))
+        if text and text != self._partial:
+            self._partial = text
+            return text
+        return None
+
+    def finish(self) -> str:
+        """Decode what is buffered and return the turn's transcript."""
+        if self._done:
+            raise StreamClosedError("cannot finish: this recognizer stream is finished or closed")
+        try:
+            tail = self._recognizer.transcribe(self._window()) if self._buffered else ""
+            return self._text(tail)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Drop the buffered audio; safe to call twice."""
+        self._done = True
+        self._chunks = []
+        self._buffered = 0
+
+    def _window(self) -> np.ndarray:
+        if len(self._chunks) > 1:
+            self._chunks = [np.concatenate(self._chunks)]
+        return self._chunks[0]
+
+    def _commit_full_windows(self) -> None:
+        window = self._recognizer.window_samples
+        while self._buffered > window:
+            audio = self._window()
+            self._committed.append(self._recognizer.transcribe(audio[:window]))
+            self._chunks = [audio[window:]]
+            self._buffered -= window
+
+    def _text(self, tail: str) -> str:
+        return " ".join(part for part in (*self._committed, tail) if part)

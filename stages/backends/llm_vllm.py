@@ -1,0 +1,379 @@
+"""vLLM engine layer of the reasoning stage.
+
+``ReasoningEngine`` wraps vLLM's ``AsyncLLM`` (the v1 engine front end; the engine core runs in its
+own process) and gives the reasoning stage what it needs: chat messages in, text deltas out as each
+token is sampled, idempotent aborts, and the engine's KV-cache usage so a CANCEL can report that the
+aborted request's blocks were freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import difflib
+import functools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from stages.backends.tiny_chat_model import has_random_weights
+
+# vLLM is imported lazily (importing it takes ~10 s) and, the first time, in a thread of its own:
+# see _import_vllm.
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+GiB = 1 << 30
+#: KV cache reserved on the CPU when neither ``kv_cache_memory_bytes`` nor
+#: ``VLLM_CPU_KVCACHE_SPACE`` is given; vLLM's own default tries to reserve 92% of RAM.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
+
+
+class ReasoningEngineError(RuntimeError):
+    """Base class of the errors this module raises."""
+
+
+class ModelNotFoundError(ReasoningEngineError, FileNotFoundError):
+    """The model path does not exist or is not a model folder."""
+
+
+class EngineConfigError(ReasoningEngineError, ValueError):
+    """An engine argument or sampling parameter is unknown or has a bad value."""
+
+
+class EngineStartError(ReasoningEngineError):
+    """vLLM failed to start (the engine core process died or refused the configuration)."""
+
+
+class EngineDeadError(ReasoningEngineError):
+    """The engine core process died while serving; the engine must be restarted."""
+
+
+class _KvUsageMonitor:
+    """Latest KV-cache usage reported by the engine, with waiters for it to fall to idle.
+
+    Updated from the stat logger, which ``AsyncLLM`` calls on its output-handler task, i.e. on the
+    event loop that runs the engine, once for every batch of engine outputs.
+    """
+
+    def __init__(self) -> None:
+        self.usage = 0.0
+        self.updated_at = 0.0
+        self._changed: asyncio.Event | None = None
+
+    def update(self, usage: float) -> None:
+        self.usage = usage
+        self.updated_at = time.monotonic()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def wait_update(self, timeout: float) -> float:
+        """The usage of the next stats record, or the current one after ``timeout`` s."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        return self.usage
+
+    async def wait_idle(self, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while self.usage > 0.0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"KV cache usage still {self.usage:.1%} after waiting {timeout:.3f} s for idle"
+                )
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return self.usage
+
+
+@functools.cache
+def _kv_stat_logger_class() -> type:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KvUsageStatLogger(StatLoggerBase):
+        """Feeds ``SchedulerStats.kv_cache_usage`` of every engine step to a monitor."""
+
+        def __init__(
+            self, vllm_config: Any, engine_index: int = 0, *, monitor: _KvUsageMonitor
+        ) -> None:
+            self.engine_index = engine_index
+            self.monitor = monitor
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                self.monitor.update(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return KvUsageStatLogger
+
+
+def _import_vllm() -> None:
+    """Import the parts of vLLM this module uses.
+
+    The first import of ``vllm.sampling_params`` leaves every frame then on the stack referenced
+    for good (seen with ``gc.get_referrers``: a list that holds the importing frames). Imported
+    inside ``start()``, that frame kept the ``AsyncLLM`` alive until interpreter exit, where its
+    ``__del__`` failed. ``start()`` runs this in a throwaway thread so only that thread's frames
+    are kept.
+    """
+    import vllm.engine.arg_utils
+    import vllm.platforms
+    import vllm.renderers.params
+    import vllm.sampling_params
+    import vllm.v1.engine.async_llm
+    import vllm.v1.engine.exceptions
+    import vllm.v1.metrics.loggers  # noqa: F401
+
+
+def resolve_model(model: str) -> str:
+    """Return a local model folder as an absolute path; leave a hub model id as it is.
+
+    Raises ``ModelNotFoundError`` naming the path when ``model`` is written as a path (absolute,
+    ``./``, ``../`` or ``~``) but is missing or is not a Hugging Face model folder.
+    """
+    path = Path(model).expanduser()
+    looks_like_path = model.startswith(("/", ".", "~"))
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
+        return str(path.resolve())
+    if looks_like_path:
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    return model
+
+
+def build_engine_args(model: str, engine_args: Mapping[str, Any]) -> AsyncEngineArgs:
+    """``AsyncEngineArgs`` from the config's engine args, with defaults that the CPU needs.
+
+    Unknown keys raise ``EngineConfigError`` naming the key (and the closest valid names).
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    args = dict(engine_args)
+    if "model" in args:
+        raise EngineConfigError("engine arg 'model' is given twice: pass it as the model instead")
+    for key in args:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise EngineConfigError(f"unknown vLLM engine arg {key!r}{hint}")
+    # Stats must flow: the KV usage that CANCEL_ACK reports comes from the stat loggers.
+    args["disable_log_stats"] = False
+    if current_platform.is_cpu():
+        # torch.compile costs ~30 s of start-up on the CPU and gains nothing on small models.
+        args.setdefault("enforce_eager", True)
+        # The legacy VLLM_CPU_KVCACHE_SPACE variable, when set, overrides this in vLLM itself.
+        args.setdefault("kv_cache_memory_bytes", DEFAULT_CPU_KV_CACHE_BYTES)
+    return AsyncEngineArgs(model=model, **args)
+
+
+def build_sampling_params(sampling: Mapping[str, Any]) -> SamplingParams:
+    """``SamplingParams`` streaming text deltas; a bad key or value is an ``EngineConfigError``."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    known = set(SamplingParams.__struct_fields__)
+    for key in sampling:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise EngineConfigError(f"unknown sampling parameter {key!r}{hint}")
+    params = {k: v for k, v in sampling.items() if k != "output_kind"}
+    try:
+        return SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
+    except (TypeError, ValueError) as exc:
+        raise EngineConfigError(f"bad sampling parameters {params!r}: {exc}") from exc
+
+
+class ReasoningEngine:
+    """A vLLM ``AsyncLLM`` that streams chat replies as text deltas. Create with ``start()``."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        model: str,
+        sampling: Mapping[str, Any],
+        kv_monitor: _KvUsageMonitor,
+    ) -> None:
+        self._llm: AsyncLLM | None = llm
+        self.model = model
+        self._sampling = dict(sampling)
+        self._default_params = build_sampling_params(self._sampling)
+        self._kv = kv_monitor
+
+    @classmethod
+    async def start(
+        cls,
+        model: str,
+        engine_args: Mapping[str, Any] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+    ) -> ReasoningEngine:
+        """Start vLLM on ``model`` (a local folder or a model id) and wait until it is ready.
+
+        ``engine_args`` go to ``AsyncEngineArgs`` unchanged (plus CPU defaults: eager mode and a
+        1 GiB KV cache); ``sampling`` is the default ``SamplingParams`` of every request.
+        Start-up takes about 20 s on the CPU; it runs in a thread so the event loop stays live.
+        """
+        resolved = resolve_model(model)
+        await _run_in_thread(_import_vllm, name="vllm-import")
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        sampling = dict(sampling or {})
+        build_sampling_params(sampling)  # fail on a bad key before spending 20 s on start-up
+        if Path(resolved).is_dir() and has_random_weights(Path(resolved)):
+            logger.warning("model %s has random weights: its replies are noise", resolved)
+        args = build_engine_args(resolved, engine_args or {})
+        monitor = _KvUsageMonitor()
+
+        def create() -> AsyncLLM:
+            try:
+                config = args.create_engine_config()
+            except Exception as exc:
+                raise EngineConfigError(f"vLLM rejected the engine args: {exc}") from exc
+            try:
+                return AsyncLLM.from_vllm_config(
+                    config,
+                    stat_loggers=[functools.partial(_kv_stat_logger_class(), monitor=monitor)],
+                    disable_log_stats=False,
+                )
+            except Exception as exc:
+                raise EngineStartError(
+                    f"vLLM failed to start on model {resolved!r}: {type(exc).__name__}: {exc}"
+                ) from exc
+
+        started = time.monotonic()
+        llm = await _run_in_thread(create, name="vllm-start")
+        logger.info("vLLM engine on %s ready in %.1f s", resolved, time.monotonic() - started)
+        return cls(llm, resolved, sampling, monitor)
+
+    async def generate(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]],
+        sampling: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[str]:
+        """Stream the reply to ``messages`` (OpenAI chat format) as text deltas.
+
+        The model's chat template is applied by vLLM's renderer. ``sampling`` overrides the
+        engine's default sampling parameters for this request. The stream ends when the reply is
+        finished or the request is aborted. If the consumer is cancelled or closes the generator,
+        the request is aborted here, so its KV blocks are freed at once.
+        """
+        from vllm.renderers.params import ChatParams
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+        if self._llm is None:
+            raise ReasoningEngineError(f"engine on {self.model!r} is shut down")
+        params = (
+            build_sampling_params({**self._sampling, **sampling})
+            if sampling
+            else self._default_params.clone()
+        )
+        chat_params = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
+        llm = self._llm
+        _, (prompt,) = await llm.renderer.render_chat_async([messages], chat_params)
+        try:
+            async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:
+                async for output in outputs:
+                    for completion in output.outputs:
+                        # Empty when the detokenizer holds back an incomplete UTF-8 sequence.
+                        if completion.text:
+                            yield completion.text
+        except (asyncio.CancelledError, GeneratorExit):
+            # The one place a stream's consumer going away turns into an abort. (Closing vLLM's
+            # own generator above aborts too; aborts are idempotent.)
+            try:
+                await self.abort(request_id)
+            except Exception:
+                logger.exception("abort of request %s failed", request_id)
+            raise
+        except VllmEngineDeadError as exc:
+            raise EngineDeadError(f"vLLM engine on {self.model!r} died: {exc}") from exc
+
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id``; its stream ends and its KV blocks are freed. Safe to repeat."""
+        if self._llm is None:
+            return
+        await self._llm.abort(request_id)
+
+    def kv_usage(self) -> float:
+        """KV-cache usage (0.0–1.0) from the engine's most recent scheduler stats."""
+        return self._kv.usage
+
+    async def wait_kv_idle(self, timeout: float = 1.0) -> float:
+        """Wait until the engine reports no KV blocks in use and return that usage.
+
+        Raises ``TimeoutError`` (with the usage left) if it is not idle within ``timeout`` s.
+        """
+        return await self._kv.wait_idle(timeout)
+
+    async def kv_usage_after_abort(self, timeout: float = 0.05) -> float:
+        """KV usage from the first scheduler stats reported after this call (the abort that
+        preceded it has been applied by then); the last known usage if none came in time,
+        as when the engine has nothing left to schedule."""
+        return await self._kv.wait_update(timeout)
+
+    def num_unfinished_requests(self) -> int:
+        """Requests the engine is still serving (0 once every stream has ended or been aborted)."""
+        return 0 if self._llm is None else self._llm.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Stop the engine core process (takes a few seconds). Safe to call twice."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+
+async def _run_in_thread(fn: Callable[[], _T], name: str) -> _T:
+    """Run blocking ``fn`` in a named thread; if the waiter is cancelled, shut down its result."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def deliver(result: _T | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            if error is None and hasattr(result, "shutdown"):
+                # Nobody will use this engine: release its processes, off the event loop.
+                threading.Thread(target=result.shutdown, name=f"{name}-discard").start()
+        elif error is None:
+            done.set_result(result)  # type: ignore[arg-type]
+        else:
+            done.set_exception(error)
+
+    def target() -> None:
+        result: _T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is waiting
+            loop.call_soon_threadsafe(deliver, result, error)
+        # Hold no reference here: only the waiter (or deliver's shutdown) owns the engine.
+        del result, error
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await done

@@ -1,0 +1,170 @@
+"""What the encoder and vocoder stages need from a speech backend, and helpers the backends share.
+
+A ``SpeechRecognizer`` is loaded once per encoder process and opens one ``RecognizerStream`` per
+user turn; a ``Voice`` is loaded once per vocoder process and turns text into PCM16 chunks as they
+are produced. Every backend module has a ``load_*`` function that takes the options of the YAML
+config as keyword arguments and fails early, naming the bad option or the missing path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from stages.backends.tiny_chat_model import has_random_weights
+
+logger = logging.getLogger(__name__)
+
+#: Longest audio chunk a voice yields, so playout can start (and stop) at a fine grain.
+MAX_CHUNK_MS = 100
+#: Recognizers take PCM16 mono at this rate (what the gateway's chunker produces).
+ASR_SAMPLE_RATE = 16000
+
+
+class SpeechRecognizer(Protocol):
+    """A loaded speech recognizer; cheap to open streams on."""
+
+    name: str
+    sample_rate: int
+
+    def open_stream(self) -> RecognizerStream:
+        """Start recognizing one user turn."""
+        ...
+
+
+class RecognizerStream(Protocol):
+    """Recognition of one user turn, fed audio as it arrives."""
+
+    def feed(self, pcm16: np.ndarray) -> str | None:
+        """Add int16 mono audio; return the partial transcript when it changed, else None."""
+        ...
+
+    def finish(self) -> str:
+        """Return the final transcript of the turn; the stream is done afterwards."""
+        ...
+
+    def close(self) -> None:
+        """Drop the turn without a result (cancel); idempotent."""
+        ...
+
+
+class Voice(Protocol):
+    """A loaded text-to-speech voice."""
+
+    name: str
+    sample_rate: int
+
+    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+        """Yield int16 mono chunks of at most ``MAX_CHUNK_MS`` as they are produced.
+
+        Closing the iterator early stops the synthesis (that is how a CANCEL reaches the engine).
+        """
+        ...
+
+
+class SpeechBackendError(RuntimeError):
+    """Base class of the errors the speech backends raise."""
+
+
+class SpeechModelNotFoundError(SpeechBackendError, FileNotFoundError):
+    """A model, vocoder or speaker-embedding path does not exist or cannot be loaded."""
+
+
+class SpeechOptionError(SpeechBackendError, ValueError):
+    """A backend option is unknown or has a bad value."""
+
+
+class StreamClosedError(SpeechBackendError):
+    """A recognizer stream was used after ``finish()`` or ``close()``."""
+
+
+def reject_unknown_options(backend: str, options: Mapping[str, Any], known: Iterable[str]) -> None:
+    """Raise ``SpeechOptionError`` naming the first unknown option (and the closest known ones)."""
+    known = sorted(known)
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise SpeechOptionError(
+                f"unknown {backend} option {key!r}{hint} (known: {', '.join(known)})"
+            )
+
+
+def resolve_model_path(model: str, what: str) -> str:
+    """Return a local model folder as an absolute path; leave a hub model id as it is.
+
+    ``what`` names the model in errors ("whisper model", "speecht5 vocoder"). A ``model`` written
+    as a path (absolute, ``./``, ``../`` or ``~``) must exist and hold a ``config.json``.
+    """
+    if not model:
+        raise SpeechModelNotFoundError(f"{what}: no model path or id given")
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise SpeechModelNotFoundError(
+                f"{what} path {str(path)!r} is not a Hugging Face model folder (no config.json)"
+            )
+        return str(path.resolve())
+    if model.startswith(("/", ".", "~")):
+        raise SpeechModelNotFoundError(f"{what} path {str(path)!r} does not exist")
+    return model
+
+
+def load_error(what: str, model: str, exc: Exception) -> SpeechModelNotFoundError:
+    """The error for a model that ``from_pretrained`` could not load (often: not downloadable)."""
+    hint = "" if Path(model).is_absolute() else " (no local folder of that name either)"
+    return SpeechModelNotFoundError(
+        f"cannot load {what} {model!r}{hint}: {type(exc).__name__}: {exc}. "
+        "Pass a local folder; hub ids work only when the model is already in the HF cache."
+    )
+
+
+def warn_if_random_weights(model: str, what: str) -> bool:
+    """Warn (log) when ``model`` is a local folder built with random weights; return that flag."""
+    path = Path(model)
+    if path.is_dir() and has_random_weights(path):
+        logger.warning(
+            "%s %s has RANDOM weights (built for tests): its output is noise", what, path
+        )
+        return True
+    return False
+
+
+def as_pcm16(pcm16: np.ndarray) -> np.ndarray:
+    """Check that ``pcm16`` is int16 mono audio and return it as a flat array (no copy)."""
+    if not isinstance(pcm16, np.ndarray) or pcm16.dtype != np.int16:
+        kind = pcm16.dtype if isinstance(pcm16, np.ndarray) else type(pcm16).__name__
+        raise TypeError(f"expected an int16 numpy array of PCM samples, got {kind}")
+    if pcm16.ndim != 1 and not (pcm16.ndim == 2 and 1 in pcm16.shape):
+        raise ValueError(f"expected mono audio (one channel), got shape {pcm16.shape}")
+    return pcm16.reshape(-1)
+
+
+def float_to_pcm16(audio: np.ndarray) -> np.ndarray:
+    """Float audio in [-1, 1] to int16, clipping what lies outside."""
+    audio = np.asarray(audio, dtype=np.float32).reshape(-1)
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+def pcm16_to_float(pcm16: np.ndarray) -> np.ndarray:
+    """int16 audio to float32 in [-1, 1), the input format of neural feature extractors."""
+    return pcm16.astype(np.float32) / 32768.0
+
+
+def max_chunk_samples(sample_rate: int, max_ms: int = MAX_CHUNK_MS) -> int:
+    """Samples in ``max_ms`` of audio at ``sample_rate`` (at least one)."""
+    return max(1, sample_rate * max_ms // 1000)
+
+
+def split_pcm16(
+    pcm16: np.ndarray, sample_rate: int, max_ms: int = MAX_CHUNK_MS
+) -> Iterator[np.ndarray]:
+    """Split audio into consecutive views of at most ``max_ms`` each; nothing for empty audio."""
+    step = max_chunk_samples(sample_rate, max_ms)
+    for start in range(0, len(pcm16), step):
+        yield pcm16[start : start + step]

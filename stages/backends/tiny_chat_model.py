@@ -1,0 +1,161 @@
+"""A tiny offline chat model for tests and the CPU demo profile.
+
+Machines here cannot download weights, so tests build a real Hugging Face model folder locally:
+a byte-level BPE tokenizer trained on text that ships with Python (the pydoc topic pages), a ChatML
+chat template, and a random-weight ``Qwen2ForCausalLM``. It loads through the same code as a real
+model, but it babbles: the folder carries a ``random_weights`` marker so loaders can say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: Written last; a folder without it is a half-finished build and is rebuilt.
+COMPLETE_MARKER = ".omni-gateway-build-complete"
+#: Present in every folder this module builds: the weights are random, the output is noise.
+RANDOM_WEIGHTS_MARKER = "random_weights"
+
+VOCAB_SIZE = 2048
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Qwen2 shape small enough to build in seconds; CPU attention in vLLM needs head_dim >= 32.
+MODEL_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 2048,
+}
+
+
+def default_cache_folder() -> Path:
+    """``$OMNI_GATEWAY_CACHE/tiny-chat`` if set, else ``~/.cache/omni-gateway/tiny-chat``."""
+    root = os.environ.get("OMNI_GATEWAY_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "omni-gateway"
+    return base / "tiny-chat"
+
+
+def is_complete(folder: Path) -> bool:
+    """True when ``folder`` holds a finished build (its completion marker was written)."""
+    return (folder / COMPLETE_MARKER).is_file()
+
+
+def has_random_weights(folder: Path) -> bool:
+    """True when the model in ``folder`` was built here with random weights."""
+    return (folder / RANDOM_WEIGHTS_MARKER).is_file()
+
+
+def ensure_tiny_chat_model(folder: Path | None = None) -> Path:
+    """Build the tiny chat model into ``folder`` unless a finished build is already there.
+
+    The build goes into a temporary sibling folder that is renamed into place once complete, so a
+    crash never leaves a folder that looks finished, and concurrent builders do not clash.
+    Returns the folder.
+    """
+    folder = Path(folder) if folder is not None else default_cache_folder()
+    folder = folder.expanduser().absolute()
+    if is_complete(folder):
+        return folder
+    if folder.exists():
+        logger.warning("rebuilding unfinished tiny chat model folder %s", folder)
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the model folder is not a secret
+    try:
+        _build(staging)
+        try:
+            staging.rename(folder)
+        except OSError:
+            # Another process finished first; its build is as good as ours.
+            if not is_complete(folder):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("built tiny chat model (random weights) in %s", folder)
+    return folder
+
+
+def _training_text() -> Iterator[str]:
+    """English prose that ships with every CPython: the pydoc topic pages (~460 KB)."""
+    from pydoc_data.topics import topics
+
+    for _name, text in sorted(topics.items()):
+        yield from text.split("\n\n")
+
+
+def _build(folder: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        GenerationConfig,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_training_text(), trainer=trainer)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        bos_token=None,
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+    endoftext_id = bpe.token_to_id(ENDOFTEXT)
+    im_end_id = bpe.token_to_id(IM_END)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        tie_word_embeddings=True,
+        bos_token_id=endoftext_id,
+        eos_token_id=im_end_id,
+        pad_token_id=endoftext_id,
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(0)
+    # bfloat16 is what vLLM runs on the CPU; saving float32 makes it convert (and warn) per tensor.
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=endoftext_id,
+        eos_token_id=[im_end_id, endoftext_id],
+        pad_token_id=endoftext_id,
+    )
+    model.save_pretrained(folder)
+
+    (folder / RANDOM_WEIGHTS_MARKER).write_text(
+        "This model has random weights: it was built offline for tests and its output is noise.\n"
+    )
+    (folder / COMPLETE_MARKER).write_text("ok\n")

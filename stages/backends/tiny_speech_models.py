@@ -1,0 +1,276 @@
+"""Tiny offline Whisper and SpeechT5 (+HiFi-GAN) models for tests and the CPU demo profile.
+
+Machines here cannot download weights, so tests build real Hugging Face model folders locally: the
+tokenizers are trained on text that ships with Python (the pydoc topic pages), the weights are
+random, and everything is saved with ``save_pretrained`` so it loads through the same code as a real
+checkpoint. The output is noise (Whisper babbles tokens, SpeechT5 speaks static); every folder
+carries the ``random_weights`` marker so loaders say so in their logs.
+
+Builds take about a second, are idempotent (a finished folder is reused) and atomic (built in a
+temporary sibling that is renamed into place).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from stages.backends.tiny_chat_model import COMPLETE_MARKER, RANDOM_WEIGHTS_MARKER, is_complete
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+WHISPER_SPECIAL_TOKENS = [
+    "<|startoftranscript|>",
+    "<|en|>",
+    "<|translate|>",
+    "<|transcribe|>",
+    "<|startoflm|>",
+    "<|startofprev|>",
+    "<|nospeech|>",
+    "<|notimestamps|>",
+]
+WHISPER_ENDOFTEXT = "<|endoftext|>"
+WHISPER_VOCAB_SIZE = 512
+#: Random weights rarely sample <|endoftext|>: every decode runs to this many tokens.
+WHISPER_MAX_LENGTH = 32
+WHISPER_SHAPE = {
+    "d_model": 64,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "num_mel_bins": 80,
+    "max_source_positions": 1500,  # 30 s of 10 ms mel frames, halved by the conv front end
+    "max_target_positions": 128,
+}
+SPEECHT5_SHAPE = {
+    "hidden_size": 64,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "speech_decoder_prenet_units": 64,
+    "speech_decoder_postnet_units": 64,
+    "speech_decoder_postnet_layers": 2,
+    "speaker_embedding_dim": 512,  # as the real checkpoint, so the same x-vector files fit
+}
+HIFIGAN_SHAPE = {
+    "upsample_initial_channel": 32,
+    "resblock_kernel_sizes": [3],
+    "resblock_dilation_sizes": [[1, 3]],
+}
+#: Stop-token logit bias: the random decoder never says "stop", so it speaks for exactly
+#: ``maxlenratio`` mel frames per input token (pass ``maxlenratio=4`` for a speech-like length).
+SPEECHT5_STOP_BIAS = -20.0
+
+
+class TinySpeechT5(NamedTuple):
+    """Folders of a built SpeechT5 text-to-speech model and its HiFi-GAN vocoder."""
+
+    model: Path
+    vocoder: Path
+
+
+def default_cache_folder(name: str) -> Path:
+    """``$OMNI_GATEWAY_CACHE/<name>`` if set, else ``~/.cache/omni-gateway/<name>``."""
+    root = os.environ.get("OMNI_GATEWAY_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "omni-gateway"
+    return base / name
+
+
+def ensure_tiny_whisper(folder: Path | None = None) -> Path:
+    """Build a tiny random Whisper (model, tokenizer, feature extractor) unless already built."""
+    return _ensure(folder or default_cache_folder("tiny-whisper"), _build_whisper, "whisper")
+
+
+def ensure_tiny_speecht5(folder: Path | None = None) -> TinySpeechT5:
+    """Build a tiny random SpeechT5 (model + processor) and HiFi-GAN (in ``vocoder/``)."""
+    folder = _ensure(folder or default_cache_folder("tiny-speecht5"), _build_speecht5, "speecht5")
+    return TinySpeechT5(model=folder, vocoder=folder / "vocoder")
+
+
+def _ensure(folder: Path, build: Callable[[Path], None], what: str) -> Path:
+    folder = Path(folder).expanduser().absolute()
+    if is_complete(folder):
+        return folder
+    if folder.exists():
+        logger.warning("rebuilding unfinished tiny %s folder %s", what, folder)
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the model folder is not a secret
+    try:
+        build(staging)
+        (staging / COMPLETE_MARKER).write_text("ok\n")
+        try:
+            staging.rename(folder)
+        except OSError:
+            # Another process finished first; its build is as good as ours.
+            if not is_complete(folder):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("built tiny %s model (random weights) in %s", what, folder)
+    return folder
+
+
+def _training_text(paragraphs: int = 400) -> Iterator[str]:
+    """English prose that ships with every CPython: paragraphs of the pydoc topic pages."""
+    from pydoc_data.topics import topics
+
+    def all_paragraphs() -> Iterator[str]:
+        for _name, text in sorted(topics.items()):
+            yield from (p for p in text.split("\n\n") if p.strip())
+
+    return islice(all_paragraphs(), paragraphs)
+
+
+def _mark_random(folder: Path) -> None:
+    (folder / RANDOM_WEIGHTS_MARKER).write_text(
+        "This model has random weights: it was built offline for tests and its output is noise.\n"
+    )
+
+
+def _build_whisper(folder: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+        WhisperTokenizer,
+    )
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=WHISPER_VOCAB_SIZE,
+        special_tokens=[WHISPER_ENDOFTEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_training_text(), trainer=trainer)
+    tokenizer = WhisperTokenizer(vocab=bpe.get_vocab(), merges=_bpe_merges(bpe))
+    tokenizer.add_special_tokens({"additional_special_tokens": WHISPER_SPECIAL_TOKENS})
+    processor = WhisperProcessor(
+        feature_extractor=WhisperFeatureExtractor(feature_size=WHISPER_SHAPE["num_mel_bins"]),
+        tokenizer=tokenizer,
+    )
+    processor.save_pretrained(folder)
+
+    token_id = tokenizer.convert_tokens_to_ids
+    eot = token_id(WHISPER_ENDOFTEXT)
+    config = WhisperConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=eot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        decoder_start_token_id=token_id("<|startoftranscript|>"),
+        # Generation settings live in generation_config.json, as in real checkpoints.
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+        **WHISPER_SHAPE,
+    )
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=token_id("<|startoftranscript|>"),
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        max_length=WHISPER_MAX_LENGTH,
+        begin_suppress_tokens=[eot],
+        # As in real checkpoints: never sample the task and language markers as text.
+        suppress_tokens=[token_id(t) for t in WHISPER_SPECIAL_TOKENS],
+        no_timestamps_token_id=token_id("<|notimestamps|>"),
+        is_multilingual=True,
+        lang_to_id={"<|en|>": token_id("<|en|>")},
+        task_to_id={
+            "transcribe": token_id("<|transcribe|>"),
+            "translate": token_id("<|translate|>"),
+        },
+    )
+    model.save_pretrained(folder)
+    _mark_random(folder)
+
+
+def _bpe_merges(bpe: Tokenizer) -> list[tuple[str, str]]:
+    """The merges of a trained ``tokenizers`` BPE, in the form ``WhisperTokenizer`` takes."""
+    merges = json.loads(bpe.to_str())["model"]["merges"]
+    return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in merges]
+
+
+def _build_speecht5(folder: Path) -> None:
+    import sentencepiece
+    import torch
+    from transformers import (
+        SpeechT5Config,
+        SpeechT5FeatureExtractor,
+        SpeechT5ForTextToSpeech,
+        SpeechT5HifiGan,
+        SpeechT5HifiGanConfig,
+        SpeechT5Processor,
+        SpeechT5Tokenizer,
+    )
+
+    # A character-level sentencepiece model with the real checkpoint's special-token ids.
+    spm_model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=_training_text(),
+        model_writer=spm_model,
+        model_type="char",
+        vocab_size=128,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        bos_id=0,
+        pad_id=1,
+        eos_id=2,
+        unk_id=3,
+        minloglevel=2,
+    )
+    spm_path = folder / "spm_char.model"
+    spm_path.write_bytes(spm_model.getvalue())
+    tokenizer = SpeechT5Tokenizer(str(spm_path))
+    processor = SpeechT5Processor(feature_extractor=SpeechT5FeatureExtractor(), tokenizer=tokenizer)
+    processor.save_pretrained(folder)
+
+    torch.manual_seed(0)
+    config = SpeechT5Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **SPEECHT5_SHAPE,
+    )
+    model = SpeechT5ForTextToSpeech(config)
+    with torch.no_grad():
+        model.speech_decoder_postnet.prob_out.bias.fill_(SPEECHT5_STOP_BIAS)
+    model.save_pretrained(folder)
+    _mark_random(folder)
+
+    vocoder = SpeechT5HifiGan(SpeechT5HifiGanConfig(**HIFIGAN_SHAPE))
+    # transformers initializes convolutions with std 0.01, which makes a silent vocoder (~1e-8);
+    # torch's default init makes audible noise, so a pipeline test can see the audio.
+    for module in vocoder.modules():
+        if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
+            module.reset_parameters()
+    vocoder_folder = folder / "vocoder"
+    vocoder.save_pretrained(vocoder_folder)
+    _mark_random(vocoder_folder)

@@ -1,0 +1,277 @@
+"""Neural voice: SpeechT5 text-to-speech with a HiFi-GAN vocoder, through transformers.
+
+Real weights are microsoft/speecht5_tts and microsoft/speecht5_hifigan (local folders here, since
+nothing can be downloaded). SpeechT5 is autoregressive over whole utterances and its post-net looks
+at the whole spectrogram, so audio comes out per call: the vocoder stage should hand it one phrase
+at a time. A text longer than the model's positions allow is spoken in word-boundary pieces.
+
+The speaker is a 512-float x-vector from a ``.npy`` file; without one a fixed synthetic vector is
+used (logged), which sounds like nobody in particular but is the same in every process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stages.backends.speech import (
+    MAX_CHUNK_MS,
+    SpeechModelNotFoundError,
+    SpeechOptionError,
+    float_to_pcm16,
+    load_error,
+    reject_unknown_options,
+    resolve_model_path,
+    split_pcm16,
+    warn_if_random_weights,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+#: Seed of the fixed speaker vector used when no speaker embedding is given.
+DEFAULT_SPEAKER_SEED = 5_1200
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def load_speecht5(
+    model: str,
+    vocoder: str,
+    speaker_embedding: str | None = None,
+    device: str = "cpu",
+    *,
+    threshold: float = 0.5,
+    minlenratio: float = 0.0,
+    maxlenratio: float = 20.0,
+    chunk_ms: int = MAX_CHUNK_MS,
+    dtype: str | None = None,
+    num_threads: int | None = None,
+    warmup: bool = True,
+    **unknown: Any,
+) -> SpeechT5Voice:
+    """Load SpeechT5 (``model``: folder or cached hub id, with its processor) and its vocoder.
+
+    ``speaker_embedding``: ``.npy`` file of the speaker's x-vector. ``threshold``, ``minlenratio``
+    and ``maxlenratio`` go to ``generate_speech`` (stop probability, and bounds on mel frames per
+    input token). ``chunk_ms``: the longest chunk yielded. ``num_threads``: torch intra-op threads
+    of this process (process-wide). ``warmup``: speak one word now so the first phrase is not slow.
+    """
+    import torch
+
+    reject_unknown_options(
+        "speecht5",
+        unknown,
+        (
+            "model",
+            "vocoder",
+            "speaker_embedding",
+            "device",
+            "threshold",
+            "minlenratio",
+            "maxlenratio",
+            "chunk_ms",
+            "dtype",
+            "num_threads",
+            "warmup",
+        ),
+    )
+    _check_number("threshold", threshold, 0.0, 1.0)
+    _check_number("minlenratio", minlenratio, 0.0, 100.0)
+    _check_number("maxlenratio", maxlenratio, 0.1, 100.0)
+    if minlenratio > maxlenratio:
+        raise SpeechOptionError(
+            f"speecht5 options minlenratio={minlenratio} > maxlenratio={maxlenratio}"
+        )
+    if isinstance(chunk_ms, bool) or not isinstance(chunk_ms, int) or not 10 <= chunk_ms <= 100:
+        raise SpeechOptionError(f"speecht5 option chunk_ms={chunk_ms!r} must be an int in 10..100")
+    torch_device = _torch_device(device)
+    torch_dtype = _torch_dtype(dtype)
+    if num_threads is not None:
+        if not isinstance(num_threads, int) or num_threads < 1:
+            raise SpeechOptionError(f"speecht5 option num_threads={num_threads!r} must be >= 1")
+        torch.set_num_threads(num_threads)
+
+    from transformers import SpeechT5ForTextToSpeech, SpeechT5HifiGan, SpeechT5Processor
+
+    model_path = resolve_model_path(model, "speecht5 model")
+    vocoder_path = resolve_model_path(vocoder, "speecht5 vocoder")
+    random_weights = warn_if_random_weights(model_path, "speecht5 model")
+    random_weights |= warn_if_random_weights(vocoder_path, "speecht5 vocoder")
+    started = time.perf_counter()
+    try:
+        processor = SpeechT5Processor.from_pretrained(model_path)
+        network = SpeechT5ForTextToSpeech.from_pretrained(model_path, dtype=torch_dtype)
+    except OSError as exc:
+        raise load_error("speecht5 model", model_path, exc) from exc
+    try:
+        hifigan = SpeechT5HifiGan.from_pretrained(vocoder_path, dtype=torch_dtype)
+    except OSError as exc:
+        raise load_error("speecht5 vocoder", vocoder_path, exc) from exc
+    network.to(torch_device).eval()
+    hifigan.to(torch_device).eval()
+    speaker = load_speaker_embedding(speaker_embedding, network.config.speaker_embedding_dim)
+    voice = SpeechT5Voice(
+        network,
+        hifigan,
+        processor,
+        speaker,
+        threshold=threshold,
+        minlenratio=minlenratio,
+        maxlenratio=maxlenratio,
+        chunk_ms=chunk_ms,
+        random_weights=random_weights,
+    )
+    if warmup:
+        for _ in voice.synthesize("Hello."):
+            pass
+    logger.info(
+        "speecht5 %s + %s loaded on %s in %.2f s",
+        model_path,
+        vocoder_path,
+        torch_device,
+        time.perf_counter() - started,
+    )
+    return voice
+
+
+def load_speaker_embedding(path: str | None, dim: int) -> np.ndarray:
+    """The speaker x-vector from a ``.npy`` file of ``dim`` floats, or a fixed synthetic one."""
+    if path is None:
+        logger.warning(
+            "speecht5: no speaker_embedding given; using a fixed synthetic %d-dim speaker vector "
+            "(give a .npy x-vector for a natural voice)",
+            dim,
+        )
+        vector = np.random.default_rng(DEFAULT_SPEAKER_SEED).standard_normal(dim)
+        return (vector / np.linalg.norm(vector)).astype(np.float32)
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise SpeechModelNotFoundError(
+            f"speecht5 speaker_embedding file {str(file)!r} does not exist"
+        )
+    try:
+        vector = np.load(file, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise SpeechOptionError(
+            f"speecht5 speaker_embedding {str(file)!r} is not a .npy array: {exc}"
+        ) from exc
+    if vector.size != dim or not np.issubdtype(vector.dtype, np.floating):
+        raise SpeechOptionError(
+            f"speecht5 speaker_embedding {str(file)!r} holds {vector.dtype} {vector.shape}; "
+            f"the model needs {dim} floats"
+        )
+    return vector.reshape(-1).astype(np.float32)
+
+
+def _check_number(option: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise SpeechOptionError(
+            f"speecht5 option {option}={value!r} must be a number in {low}..{high}"
+        )
+
+
+def _torch_device(device: str) -> torch.device:
+    import torch
+
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise SpeechOptionError(f"speecht5 option device={device!r}: {exc}") from exc
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise SpeechOptionError(f"speecht5 option device={device!r}: CUDA is not available here")
+    return torch_device
+
+
+def _torch_dtype(dtype: str | None) -> torch.dtype:
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise SpeechOptionError(f"speecht5 option dtype={dtype!r} must be one of {_DTYPES}")
+    return getattr(torch, dtype)
+
+
+class SpeechT5Voice:
+    """A loaded SpeechT5 + HiFi-GAN with one speaker; one synthesis at a time."""
+
+    name = "speecht5"
+
+    def __init__(
+        self,
+        model: Any,
+        vocoder: Any,
+        processor: Any,
+        speaker_embedding: np.ndarray,
+        *,
+        threshold: float = 0.5,
+        minlenratio: float = 0.0,
+        maxlenratio: float = 20.0,
+        chunk_ms: int = MAX_CHUNK_MS,
+        random_weights: bool = False,
+    ) -> None:
+        import torch
+
+        self._model = model
+        self._vocoder = vocoder
+        self._processor = processor
+        self._speaker = (
+            torch.from_numpy(speaker_embedding).reshape(1, -1).to(model.device, model.dtype)
+        )
+        self._generate_kwargs = {
+            "threshold": threshold,
+            "minlenratio": minlenratio,
+            "maxlenratio": maxlenratio,
+        }
+        self._chunk_ms = chunk_ms
+        self.random_weights = random_weights
+        self.sample_rate: int = int(vocoder.config.sampling_rate)
+        config = model.config
+        # Tokens per call: the encoder's positions, and the decoder's when every token gets
+        # maxlenratio frames (reduction_factor frames per decoder step).
+        speech_limit = config.max_speech_positions * config.reduction_factor / maxlenratio
+        self.max_tokens = int(min(config.max_text_positions, speech_limit)) - 2
+        self._lock = threading.Lock()
+
+    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+        """Yield int16 chunks of ``text`` spoken, piece by piece; closing stops between pieces."""
+        for piece in _pieces(text, self.max_tokens):
+            yield from split_pcm16(self._speak(piece), self.sample_rate, self._chunk_ms)
+
+    def _speak(self, text: str) -> np.ndarray:
+        import torch
+
+        input_ids = self._processor(text=text, return_tensors="pt").input_ids
+        input_ids = input_ids[:, : self.max_tokens].to(self._model.device)
+        with self._lock, torch.inference_mode():
+            waveform = self._model.generate_speech(
+                input_ids, self._speaker, vocoder=self._vocoder, **self._generate_kwargs
+            )
+        return float_to_pcm16(waveform.float().cpu().numpy())
+
+
+def _pieces(text: str, max_chars: int) -> Iterator[str]:
+    """``text`` in pieces of at most ``max_chars``, cut at spaces (SpeechT5: a token per char)."""
+    piece = ""
+    for word in text.split():
+        while len(word) > max_chars:  # one "word" longer than a piece: cut it
+            if piece:
+                yield piece
+                piece = ""
+            yield word[:max_chars]
+            word = word[max_chars:]
+        if piece and len(piece) + 1 + len(word) > max_chars:
+            yield piece
+            piece = word
+        else:
+            piece = f"{piece} {word}" if piece else word
+    if piece:
+        yield piece

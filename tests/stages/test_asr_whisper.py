@@ -1,0 +1,143 @@
+"""Whisper recognizer on a tiny random-weight checkpoint, loaded through the real loader.
+
+The weights are random, so the transcripts are noise: these tests check the streaming mechanics
+(when it re-decodes, what it returns, cancel, long turns) and the loader's errors, not accuracy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from stages.backends.asr_whisper import WhisperRecognizer, load_whisper
+from stages.backends.speech import (
+    SpeechModelNotFoundError,
+    SpeechOptionError,
+    StreamClosedError,
+)
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
+
+#: Random weights never stop on their own; a short cap keeps each decode around 50 ms.
+MAX_NEW_TOKENS = 8
+
+
+def chunks_of(pcm16: np.ndarray, samples: int = 3200) -> Iterator[np.ndarray]:
+    """The gateway's 200 ms chunks."""
+    for start in range(0, len(pcm16), samples):
+        yield pcm16[start : start + samples]
+
+
+def count_decodes(recognizer: WhisperRecognizer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the length of the audio of every decode the recognizer runs."""
+    lengths: list[int] = []
+    transcribe = recognizer.transcribe
+
+    def counting(pcm16: np.ndarray) -> str:
+        lengths.append(len(pcm16))
+        return transcribe(pcm16)
+
+    monkeypatch.setattr(recognizer, "transcribe", counting)
+    return lengths
+
+
+@pytest.fixture(scope="module")
+def recognizer(tiny_whisper, one_torch_thread) -> WhisperRecognizer:
+    return load_whisper(str(tiny_whisper), partial_interval_ms=400, max_new_tokens=MAX_NEW_TOKENS)
+
+
+def test_loads_from_a_local_folder_and_says_the_weights_are_random(tiny_whisper, caplog):
+    with caplog.at_level(logging.WARNING, logger="stages.backends.speech"):
+        loaded = load_whisper(str(tiny_whisper), max_new_tokens=MAX_NEW_TOKENS, warmup=False)
+    assert loaded.random_weights
+    assert "RANDOM weights" in caplog.text
+    assert loaded.name == "whisper" and loaded.sample_rate == 16000
+
+
+def test_streams_partials_at_the_interval_and_a_final(recognizer, make_speech, monkeypatch):
+    speech = make_speech("this is a test of the speech recognizer")
+    decodes = count_decodes(recognizer, monkeypatch)
+    stream = recognizer.open_stream()
+    partials = [p for chunk in chunks_of(speech.pcm16) if (p := stream.feed(chunk)) is not None]
+    final = stream.finish()
+
+    interval = 16000 * 400 // 1000
+    assert len(decodes) == len(speech.pcm16) // interval + 1  # every 400 ms, plus the final
+    assert decodes[-1] == len(speech.pcm16)  # the final sees the whole turn
+    assert partials and all(isinstance(p, str) and p for p in partials)
+    assert all(a != b for a, b in itertools.pairwise(partials))
+    assert isinstance(final, str)
+
+
+def test_no_partials_when_the_interval_is_zero(tiny_whisper, monkeypatch):
+    quiet = load_whisper(str(tiny_whisper), partial_interval_ms=0, max_new_tokens=4, warmup=False)
+    decodes = count_decodes(quiet, monkeypatch)
+    stream = quiet.open_stream()
+    noise = np.random.default_rng(0).integers(-3000, 3000, 16000, dtype=np.int16)
+    assert [stream.feed(chunk) for chunk in chunks_of(noise)] == [None] * 5
+    stream.finish()
+    assert decodes == [16000]
+
+
+def test_cancel_drops_the_turn_without_decoding(recognizer, monkeypatch):
+    decodes = count_decodes(recognizer, monkeypatch)
+    stream = recognizer.open_stream()
+    stream.feed(np.zeros(3200, dtype=np.int16))
+    stream.close()
+    stream.close()  # idempotent
+    with pytest.raises(StreamClosedError):
+        stream.feed(np.zeros(3200, dtype=np.int16))
+    with pytest.raises(StreamClosedError):
+        stream.finish()
+    assert decodes == []
+    assert recognizer.open_stream().finish() == ""  # an empty turn is not decoded either
+    assert decodes == []
+
+
+def test_a_turn_longer_than_a_window_is_decoded_window_by_window(tiny_whisper, monkeypatch):
+    quiet = load_whisper(str(tiny_whisper), partial_interval_ms=0, max_new_tokens=4, warmup=False)
+    decodes = count_decodes(quiet, monkeypatch)
+    stream = quiet.open_stream()
+    window = quiet.window_samples
+    for chunk in chunks_of(np.zeros(window + 16000, dtype=np.int16), 16000):
+        stream.feed(chunk)
+    assert isinstance(stream.finish(), str)
+    assert decodes == [window, 16000]
+
+
+def test_feed_rejects_float_audio(recognizer):
+    stream = recognizer.open_stream()
+    with pytest.raises(TypeError, match="int16"):
+        stream.feed(np.zeros(3200, dtype=np.float32))
+    stream.close()
+
+
+def test_missing_model_path_is_named(tmp_path):
+    missing = tmp_path / "no-such-whisper"
+    with pytest.raises(SpeechModelNotFoundError, match=r"no-such-whisper.*does not exist"):
+        load_whisper(str(missing))
+
+
+def test_folder_without_a_model_is_named(tmp_path):
+    with pytest.raises(SpeechModelNotFoundError, match=r"no config\.json"):
+        load_whisper(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"partial_intervall_ms": 300}, "'partial_intervall_ms'.*'partial_interval_ms'"),
+        ({"partial_interval_ms": -1}, "partial_interval_ms=-1"),
+        ({"task": "summarize"}, "task='summarize'"),
+        ({"dtype": "int8"}, "dtype='int8'"),
+        ({"device": "tpu:x"}, "device='tpu:x'"),
+        ({"language": "klingon", "warmup": False}, "language='klingon'"),
+    ],
+)
+def test_bad_options_are_named(tiny_whisper, options, named):
+    with pytest.raises(SpeechOptionError, match=named):
+        load_whisper(str(tiny_whisper), **options)

@@ -1,0 +1,217 @@
+"""ReasoningEngine on a real vLLM AsyncLLM serving the tiny random-weight chat model.
+
+One engine is started for the whole module (start-up takes ~20 s on the CPU); every test leaves it
+idle, and the abort tests check that nothing is left behind before the engine is used again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from stages.backends import tiny_chat_model
+from stages.backends.llm_vllm import (
+    EngineConfigError,
+    ModelNotFoundError,
+    ReasoningEngine,
+)
+from stages.backends.tiny_chat_model import ensure_tiny_chat_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(180),
+    # torch 2.13 warns when vLLM imports torch.utils.mkldnn, which still uses torch.jit.
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+# 16 blocks of 128 tokens, one of them vLLM's null block: each block is 1/15 of the usage.
+ENGINE_ARGS = {"num_gpu_blocks_override": 16, "max_model_len": 512}
+# Random weights sample <|im_end|> now and then; ignore_eos keeps the stream lengths fixed.
+SAMPLING = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful voice assistant."},
+    {"role": "user", "content": "What does the with statement do?"},
+]
+LONG = {"max_tokens": 400}
+
+# The engine fixture lives on the module's event loop; tests that use it must run there too.
+module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_model: Path):
+    started = time.monotonic()
+    engine = await ReasoningEngine.start(str(tiny_model), ENGINE_ARGS, SAMPLING)
+    print(f"\nvLLM start-up: {time.monotonic() - started:.1f} s")
+    yield engine
+    engine.shutdown()
+
+
+async def _assert_idle(engine: ReasoningEngine) -> None:
+    assert await engine.wait_kv_idle(timeout=1.0) == 0.0
+    assert engine.num_unfinished_requests() == 0
+
+
+@module_loop
+async def test_streams_text_deltas(engine: ReasoningEngine) -> None:
+    sent = time.monotonic()
+    arrivals: list[float] = []
+    deltas: list[str] = []
+    async for delta in engine.generate("stream-1", MESSAGES):
+        arrivals.append(time.monotonic())
+        deltas.append(delta)
+    assert len(deltas) >= 5
+    assert all(isinstance(d, str) and d for d in deltas)
+    ttft = arrivals[0] - sent
+    inter = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+    print(f"\n{len(deltas)} deltas, TTFT {ttft * 1e3:.1f} ms, inter-token {inter * 1e3:.2f} ms")
+    await _assert_idle(engine)
+
+
+@module_loop
+async def test_two_concurrent_streams(engine: ReasoningEngine) -> None:
+    spans: dict[str, tuple[float, float]] = {}
+    usage_seen: list[float] = []
+
+    async def consume(request_id: str) -> list[str]:
+        deltas, first = [], 0.0
+        async for delta in engine.generate(request_id, MESSAGES, {"max_tokens": 48}):
+            first = first or time.monotonic()
+            deltas.append(delta)
+            usage_seen.append(engine.kv_usage())
+        spans[request_id] = (first, time.monotonic())
+        return deltas
+
+    a, b = await asyncio.gather(consume("pair-a"), consume("pair-b"))
+    assert len(a) >= 5 and len(b) >= 5
+    # Both were being decoded at once (continuous batching), not one after the other.
+    assert spans["pair-b"][0] < spans["pair-a"][1] and spans["pair-a"][0] < spans["pair-b"][1]
+    assert max(usage_seen) == pytest.approx(2 / 15)  # one block each: the prompts are short
+    await _assert_idle(engine)
+
+
+@module_loop
+async def test_abort_mid_stream_ends_stream_and_frees_kv(engine: ReasoningEngine) -> None:
+    stream = engine.generate("abort-1", MESSAGES, LONG)
+    for _ in range(5):
+        await anext(stream)
+    assert engine.kv_usage() > 0.0
+
+    aborted = time.monotonic()
+    await engine.abort("abort-1")
+    after = [delta async for delta in stream]
+    ended = time.monotonic()
+    usage = await engine.wait_kv_idle(timeout=0.05)
+    freed = time.monotonic()
+    print(
+        f"\nabort -> stream end {(ended - aborted) * 1e3:.2f} ms, "
+        f"abort -> KV idle {(freed - aborted) * 1e3:.2f} ms"
+    )
+    assert after == []
+    assert usage == 0.0
+    await engine.abort("abort-1")  # idempotent, also once the request is gone
+    await engine.abort("never-existed")
+    await _assert_idle(engine)
+
+
+@module_loop
+async def test_consumer_cancel_and_close_abort_the_request(engine: ReasoningEngine) -> None:
+    # Closing the generator (a consumer that stops reading) aborts.
+    stream = engine.generate("close-1", MESSAGES, LONG)
+    await anext(stream)
+    assert engine.num_unfinished_requests() == 1
+    await stream.aclose()
+    await _assert_idle(engine)
+
+    # Cancelling the task that consumes it (barge-in) aborts too.
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate("cancel-1", MESSAGES, LONG):
+            first.set()
+
+    task = asyncio.create_task(consume(), name="consume-cancel-1")
+    await asyncio.wait_for(first.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _assert_idle(engine)
+
+
+@module_loop
+async def test_engine_reusable_after_aborts(engine: ReasoningEngine) -> None:
+    """vLLM's abort test: abort some of many streams, check nothing is left, then reuse."""
+    request_ids = [f"many-{i}" for i in range(6)]
+    to_abort = set(request_ids[::2])
+    counts: dict[str, int] = {}
+
+    async def consume(request_id: str) -> None:
+        counts[request_id] = 0
+        async for _ in engine.generate(request_id, MESSAGES, {"max_tokens": 32}):
+            counts[request_id] += 1
+            if request_id in to_abort and counts[request_id] == 3:
+                await engine.abort(request_id)
+
+    await asyncio.gather(*(consume(r) for r in request_ids))
+    assert all(counts[r] == 3 for r in to_abort)
+    assert all(counts[r] >= 5 for r in set(request_ids) - to_abort)
+    await _assert_idle(engine)
+
+    deltas = [delta async for delta in engine.generate("after-aborts", MESSAGES)]
+    assert len(deltas) >= 5
+    await _assert_idle(engine)
+
+
+@module_loop
+async def test_missing_model_path_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelNotFoundError, match=re.escape(str(missing))):
+        await ReasoningEngine.start(str(missing), ENGINE_ARGS, SAMPLING)
+    with pytest.raises(ModelNotFoundError, match=r"has no config\.json"):
+        await ReasoningEngine.start(str(tmp_path), ENGINE_ARGS, SAMPLING)
+
+
+@module_loop
+async def test_bad_engine_arg_and_sampling_key_are_named(tiny_model: Path) -> None:
+    with pytest.raises(
+        EngineConfigError, match=r"'num_gpu_blockz_override'.*'num_gpu_blocks_override'"
+    ):
+        await ReasoningEngine.start(str(tiny_model), {"num_gpu_blockz_override": 16}, SAMPLING)
+    with pytest.raises(EngineConfigError, match="'temprature'"):
+        await ReasoningEngine.start(str(tiny_model), ENGINE_ARGS, {"temprature": 0.5})
+
+
+def test_tiny_model_build_is_idempotent_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds: list[Path] = []
+
+    def fake_build(folder: Path) -> None:
+        builds.append(folder)
+        (folder / "config.json").write_text("{}")
+        (folder / tiny_chat_model.COMPLETE_MARKER).write_text("ok\n")
+
+    monkeypatch.setattr(tiny_chat_model, "_build", fake_build)
+    target = tmp_path / "tiny"
+    target.mkdir()
+    (target / "config.json").write_text("half-written")  # no completion marker: rebuilt
+    assert ensure_tiny_chat_model(target) == target
+    assert ensure_tiny_chat_model(target) == target
+    assert len(builds) == 1
+    assert (target / "config.json").read_text() == "{}"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tiny-")]  # staging removed
+
+
+def test_tiny_model_folder_is_marked_random(tiny_model: Path) -> None:
+    assert tiny_chat_model.is_complete(tiny_model)
+    assert tiny_chat_model.has_random_weights(tiny_model)

@@ -1,0 +1,120 @@
+"""SpeechT5 + HiFi-GAN voice on a tiny random-weight checkpoint, loaded through the real loader.
+
+Random weights speak static, so these tests check the audio's format and length, the speaker
+embedding handling, cancellation between pieces and the loader's errors, not what it sounds like.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from stages.backends.speech import SpeechModelNotFoundError, SpeechOptionError
+from stages.backends.tts_speecht5 import SpeechT5Voice, _pieces, load_speecht5
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
+
+#: The tiny model never predicts "stop", so it speaks maxlenratio mel frames (16 ms) per token:
+#: 4 gives roughly the length of real speech.
+MAXLENRATIO = 4
+
+
+@pytest.fixture(scope="module")
+def voice(tiny_speecht5, one_torch_thread) -> SpeechT5Voice:
+    return load_speecht5(
+        str(tiny_speecht5.model), str(tiny_speecht5.vocoder), maxlenratio=MAXLENRATIO
+    )
+
+
+def test_speaks_a_phrase_in_small_int16_chunks(voice):
+    text = "Hello, how can I help you today?"
+    chunks = list(voice.synthesize(text))
+
+    assert voice.sample_rate == 16000
+    assert chunks and all(c.dtype == np.int16 and c.ndim == 1 and len(c) <= 1600 for c in chunks)
+    audio = np.concatenate(chunks)
+    assert 0.5 < len(audio) / voice.sample_rate < 5.0
+    assert np.abs(audio).max() > 100, "the vocoder produced silence"
+
+
+def test_loading_says_the_weights_and_speaker_are_made_up(tiny_speecht5, caplog):
+    with caplog.at_level(logging.WARNING):
+        loaded = load_speecht5(
+            str(tiny_speecht5.model), str(tiny_speecht5.vocoder), maxlenratio=1, warmup=False
+        )
+    assert loaded.random_weights
+    assert "speecht5 model" in caplog.text and "speecht5 vocoder" in caplog.text
+    assert "RANDOM weights" in caplog.text
+    assert "no speaker_embedding given" in caplog.text
+
+
+def test_speaker_embedding_from_npy(tiny_speecht5, tmp_path):
+    xvector = tmp_path / "speaker.npy"
+    np.save(xvector, np.random.default_rng(1).standard_normal(512).astype(np.float32))
+    loaded = load_speecht5(
+        str(tiny_speecht5.model),
+        str(tiny_speecht5.vocoder),
+        speaker_embedding=str(xvector),
+        maxlenratio=1,
+        warmup=False,
+    )
+    assert sum(len(c) for c in loaded.synthesize("Hi there.")) > 0
+
+
+def test_speaker_embedding_of_the_wrong_size_is_named(tiny_speecht5, tmp_path):
+    xvector = tmp_path / "short.npy"
+    np.save(xvector, np.zeros(256, dtype=np.float32))
+    with pytest.raises(SpeechOptionError, match=r"short\.npy.*\(256,\).*512"):
+        load_speecht5(str(tiny_speecht5.model), str(tiny_speecht5.vocoder), str(xvector))
+    with pytest.raises(SpeechModelNotFoundError, match=r"missing\.npy"):
+        load_speecht5(
+            str(tiny_speecht5.model), str(tiny_speecht5.vocoder), str(tmp_path / "missing.npy")
+        )
+
+
+def test_long_text_is_spoken_in_pieces_and_closing_stops_between_them(voice, monkeypatch):
+    spoken: list[str] = []
+    speak = voice._speak
+
+    def recording(piece: str) -> np.ndarray:
+        spoken.append(piece)
+        return speak(piece)
+
+    monkeypatch.setattr(voice, "_speak", recording)
+    monkeypatch.setattr(voice, "max_tokens", 12)
+    speech = voice.synthesize("one two three four five six seven eight nine ten eleven twelve")
+    next(speech)
+    speech.close()
+    assert spoken == ["one two"]  # "three four" never synthesized
+
+
+def test_pieces_cut_at_spaces_and_never_exceed_the_limit():
+    text = "a quick brown fox " * 10 + "x" * 25
+    pieces = list(_pieces(text, 12))
+    assert all(0 < len(p) <= 12 for p in pieces)
+    assert "".join(pieces).replace(" ", "") == text.replace(" ", "")
+    assert list(_pieces("   ", 12)) == []
+
+
+def test_missing_paths_are_named(tiny_speecht5, tmp_path):
+    with pytest.raises(SpeechModelNotFoundError, match=r"speecht5 model.*no-such-tts"):
+        load_speecht5(str(tmp_path / "no-such-tts"), str(tiny_speecht5.vocoder))
+    with pytest.raises(SpeechModelNotFoundError, match=r"speecht5 vocoder.*no-such-vocoder"):
+        load_speecht5(str(tiny_speecht5.model), str(tmp_path / "no-such-vocoder"))
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"max_len_ratio": 4}, "'max_len_ratio'.*'maxlenratio'"),
+        ({"threshold": 1.5}, "threshold=1.5"),
+        ({"minlenratio": 5.0, "maxlenratio": 2.0}, "minlenratio=5.0 > maxlenratio=2.0"),
+        ({"chunk_ms": 250}, "chunk_ms=250"),
+        ({"device": "cuda:not-a-number"}, "device='cuda:not-a-number'"),
+    ],
+)
+def test_bad_options_are_named(tiny_speecht5, options, named):
+    with pytest.raises(SpeechOptionError, match=named):
+        load_speecht5(str(tiny_speecht5.model), str(tiny_speecht5.vocoder), **options)
