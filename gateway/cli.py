@@ -1,10 +1,18 @@
-"""The `omni-gateway` command."""
+"""The `omni-gateway` command: start, check-config, say-file."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import signal
 import sys
+import threading
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = "configs/offline.yaml"
 
 
 def package_version() -> str:
@@ -20,8 +28,116 @@ def build_parser() -> argparse.ArgumentParser:
         description="Real-time WebRTC voice gateway for disaggregated speech-to-speech AI.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    start = sub.add_parser("start", help="run the stage workers (and the gateway)")
+    start.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file (%(default)s)")
+    start.add_argument("--host", help="override gateway.host")
+    start.add_argument("--port", type=int, help="override gateway.port")
+
+    check = sub.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("file")
+
+    say = sub.add_parser(
+        "say-file",
+        help="push a WAV through encoder, reasoning and vocoder "
+        "(no WebRTC), write the spoken reply and print per-stage timings",
+    )
+    say.add_argument("wav", help="PCM16 WAV of the caller's turn, any rate")
+    say.add_argument("--out", default="reply.wav", help="where to write the reply (%(default)s)")
+    say.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file (%(default)s)")
+    say.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if getattr(args, "host", None):
+        out["gateway.host"] = args.host
+    if getattr(args, "port", None) is not None:
+        out["gateway.port"] = args.port
+    return out
+
+
+def _progress(line: str) -> None:
+    print(f"omni-gateway: {line}", file=sys.stderr, flush=True)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from gateway.config import load_config
+
+    config = load_config(args.file)
+    print(
+        f"{args.file}: OK (encoder={config.encoder.backend}, reasoning={config.reasoning.model}, "
+        f"vocoder={config.vocoder.backend}, max_sessions={config.max_sessions})"
+    )
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from gateway.config import load_config
+    from stages.supervisor import Supervisor
+
+    config = load_config(args.config, _overrides(args))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    supervisor = Supervisor(config, log_level=logging.getLogger().level)
+    try:
+        _progress(f"starting stages from {args.config}")
+        supervisor.start(progress=_progress)
+        _progress("all stages ready; Ctrl-C stops")
+        stop.wait()
+        _progress("stopping")
+    finally:
+        supervisor.stop()
+    return 0
+
+
+def cmd_say_file(args: argparse.Namespace) -> int:
+    from gateway.config import load_config
+    from stages.audio import read_wav, resample, write_wav
+    from stages.driver import speak_turn
+    from stages.link import EventQueues, PipelineLink
+    from stages.supervisor import Supervisor
+
+    config = load_config(args.config)
+    pcm, rate = read_wav(args.wav)
+    pcm16k = resample(pcm, rate, 16000)
+    with Supervisor(config, log_level=logging.getLogger().level) as supervisor:
+        supervisor.start(progress=_progress)
+        events = EventQueues()
+        link = PipelineLink(supervisor.names, events)
+        try:
+            session = link.open_session()
+            result = speak_turn(link, events, session, pcm16k)
+            link.close_session(session)
+        finally:
+            link.close()
+    write_wav(args.out, result.pcm16, result.sample_rate or 16000)
+    seconds = len(result.pcm16) / (result.sample_rate or 16000)
+    report = {
+        "transcript": result.transcript,
+        "reply": result.reply_text,
+        "reply_audio_s": round(seconds, 3),
+        "out": str(Path(args.out)),
+        "timings_ms": {k: round(v, 2) for k, v in result.hops_ms().items()},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"heard:  {result.transcript!r}")
+        print(f"reply:  {result.reply_text!r}")
+        print(f"audio:  {seconds:.2f} s -> {args.out}")
+        for hop, ms in report["timings_ms"].items():
+            print(f"  {hop:<36} {ms:8.1f} ms")
+    return 0
+
+
+COMMANDS = {"start": cmd_start, "check-config": cmd_check_config, "say-file": cmd_say_file}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return 0
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    from gateway.config import ConfigError
+    from stages.supervisor import StageStartError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, StageStartError, ValueError, FileNotFoundError) as exc:
+        print(f"omni-gateway {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

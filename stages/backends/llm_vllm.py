@@ -68,22 +68,28 @@ class _KvUsageMonitor:
 
     def __init__(self) -> None:
         self.usage = 0.0
+        self.seq = 0  # stats records seen
+        self.requests = 0
         self.updated_at = 0.0
         self._changed: asyncio.Event | None = None
 
-    def update(self, usage: float) -> None:
+    def update(self, usage: float, requests: int = 0) -> None:
+        self.seq += 1
         self.usage = usage
+        self.requests = requests  # running + waiting in the scheduler at that step
         self.updated_at = time.monotonic()
         if self._changed is not None:
             self._changed.set()
             self._changed = None
 
-    async def wait_update(self, timeout: float) -> float:
-        """The usage of the next stats record, or the current one after ``timeout`` s."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
+    async def wait_seq(self, seq: int, timeout: float) -> float:
+        """The usage once the `seq`-th stats record has arrived, or the latest after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.seq < seq and (remaining := deadline - time.monotonic()) > 0:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
         return self.usage
 
     async def wait_idle(self, timeout: float) -> float:
@@ -122,7 +128,10 @@ def _kv_stat_logger_class() -> type:
             engine_idx: int = 0,
         ) -> None:
             if scheduler_stats is not None:
-                self.monitor.update(scheduler_stats.kv_cache_usage)
+                self.monitor.update(
+                    scheduler_stats.kv_cache_usage,
+                    scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs,
+                )
 
         def log_engine_initialized(self) -> None:
             pass
@@ -331,21 +340,52 @@ class ReasoningEngine:
         """
         return await self._kv.wait_idle(timeout)
 
-    async def kv_usage_after_abort(self, timeout: float = 0.05) -> float:
-        """KV usage from the first scheduler stats reported after this call (the abort that
-        preceded it has been applied by then); the last known usage if none came in time,
-        as when the engine has nothing left to schedule."""
-        return await self._kv.wait_update(timeout)
+    def kv_stats_seq(self) -> int:
+        """How many scheduler-stats records the engine has sent so far."""
+        return self._kv.seq
+
+    async def kv_usage_after_abort(self, seq_before: int, timeout: float = 0.1) -> float:
+        """KV usage once an abort sent after stats record `seq_before` has been applied.
+
+        The engine core applies aborts between steps, and stats come once per step: the first
+        record after the abort may come from the step that was already running, so the second
+        one is taken, or the first that shows an empty scheduler (an engine left idle sends
+        one record for the abort itself). Past `timeout` the latest usage is returned.
+        """
+        kv, deadline = self._kv, time.monotonic() + timeout
+        while True:
+            seen = kv.seq - seq_before
+            # a record showing an empty scheduler was made after every abort was applied; and
+            # if the latest one before the abort showed it empty, an idle engine sends no more
+            # records and there was nothing to free (waiting would stall the CANCEL_ACK)
+            if seen >= 2 or kv.requests == 0:
+                return kv.usage
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return kv.usage
+            await kv.wait_seq(kv.seq + 1, remaining)
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine is still serving (0 once every stream has ended or been aborted)."""
         return 0 if self._llm is None else self._llm.get_num_unfinished_requests()
 
-    def shutdown(self) -> None:
-        """Stop the engine core process (takes a few seconds). Safe to call twice."""
+    def shutdown(self, timeout: float = 15.0) -> None:
+        """Stop the engine's processes (about 5 s on the CPU). Safe to call twice.
+
+        ``timeout`` bounds the wait for the engine core to exit before it is killed. vLLM's own
+        default (5 s) is shorter than the CPU engine core takes to stop its worker (4-5 s), so it
+        killed the core, whose shared memory was then left for the resource tracker to unlink.
+        """
         llm, self._llm = self._llm, None
-        if llm is not None:
-            llm.shutdown()
+        if llm is None:
+            return
+        llm.shutdown(timeout=timeout)
+        # vLLM closes its client sockets but never terminates their ZMQ context: left to the
+        # garbage collector, it keeps two I/O threads until then and warns (ResourceWarning).
+        resources = getattr(llm.engine_core, "resources", None)
+        context = getattr(resources, "ctx", None)
+        if context is not None and not context.closed:
+            context.destroy(linger=0)
 
 
 async def _run_in_thread(fn: Callable[[], _T], name: str) -> _T:

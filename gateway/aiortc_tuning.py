@@ -1,0 +1,250 @@
+"""Runtime adjustments to aiortc for a many-call voice gateway; installed files are never edited.
+
+Three changes, all applied by `apply()` and undone by `restore()`:
+
+- `aiortc.rtp.compute_audio_level_dbov` (RFC 6465 level of every sent audio frame) is a pure-Python
+  loop of about 175 µs per stereo frame on the event loop; a numpy version computes the same integer
+  in a few µs.
+- The audio jitter buffer that `RTCRtpReceiver` builds holds `prefetch=4` frames (about 80 ms per
+  receiving hop) before it releases one; the gateway wants a low, configurable prefetch.
+- `RTCRtpSender._next_encoded_frame` hands every encode to the default executor; for Opus (tens of µs
+  per 20 ms frame) the thread hop costs more than the encode and makes many calls queue behind a few
+  executor threads, so audio is encoded inline. Video keeps aiortc's executor path.
+
+`verify()` checks that the aiortc internals these patches rely on are still there, so an aiortc
+upgrade that moves them fails loudly at start-up instead of silently running stock.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+from collections.abc import Callable, Coroutine
+from types import ModuleType
+from typing import Any
+
+import aiortc.rtcrtpreceiver as _rtcrtpreceiver
+import aiortc.rtcrtpsender as _rtcrtpsender
+import aiortc.rtp as _rtp
+import numpy as np
+from aiortc.jitterbuffer import JitterBuffer
+from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+from aiortc.rtcrtpreceiver import RTCRtpReceiver
+from aiortc.rtcrtpsender import RTCRtpSender
+from av import AudioFrame
+
+__all__ = [
+    "AiortcTuningError",
+    "apply",
+    "applied",
+    "audio_prefetch",
+    "compute_audio_level_dbov",
+    "restore",
+    "verify",
+]
+
+
+class AiortcTuningError(RuntimeError):
+    """The installed aiortc no longer has an internal that a tuning patch replaces."""
+
+
+# RFC 6465 bounds, as aiortc spells them.
+_MAX_SAMPLE_VALUE = 32767
+_MIN_AUDIO_LEVEL = -127
+
+# The stock objects, captured at import (before any patch), so restore() and verify() see them.
+_STOCK_LEVEL: Callable[[AudioFrame], int] = _rtp.compute_audio_level_dbov
+_STOCK_JITTER_BUFFER: type[JitterBuffer] = _rtcrtpreceiver.JitterBuffer
+_STOCK_NEXT_ENCODED_FRAME: Callable[..., Coroutine[Any, Any, Any]] = (
+    RTCRtpSender._next_encoded_frame
+)
+
+# Names the stock `_next_encoded_frame` must still use for the inline copy below to be faithful.
+_SENDER_NAMES = (
+    "_RTCRtpSender__track",
+    "_enabled",
+    "_RTCRtpSender__encoder",
+    "_RTCRtpSender__force_keyframe",
+    "get_encoder",
+    "compute_audio_level_dbov",
+    "run_in_executor",
+    "encode",
+    "pack",
+    "RTCEncodedFrame",
+)
+
+_state: dict[str, Any] = {"applied": False, "audio_prefetch": 1, "level_sites": []}
+
+
+def compute_audio_level_dbov(frame: AudioFrame) -> int:
+    """RFC 6465 audio level of an s16 frame, the same integer aiortc's pure-Python loop returns.
+
+    Mirrors aiortc's arithmetic exactly, quirks included: every int16 of plane 0 is summed (both
+    channels of a packed stereo frame) but divided by `frame.samples` only. The sum of squares is
+    exact in int64 (at most 2^30 per sample) and so is aiortc's float accumulation (< 2^53), hence
+    bit-identical results. np.dot is avoided on purpose: it can wake BLAS threads for a 2k vector.
+    """
+    pcm = np.frombuffer(frame.planes[0], dtype=np.int16).astype(np.int64)
+    energy = int((pcm * pcm).sum())
+    rms = math.sqrt(energy / (frame.samples * _MAX_SAMPLE_VALUE * _MAX_SAMPLE_VALUE))
+    if rms > 0:
+        db = min(max(20 * math.log10(rms), _MIN_AUDIO_LEVEL), 0)
+    else:
+        db = _MIN_AUDIO_LEVEL
+    return round(db)
+
+
+class _PrefetchJitterBuffer(_STOCK_JITTER_BUFFER):
+    """aiortc's JitterBuffer with the audio prefetch taken from `apply(audio_prefetch=...)`.
+
+    Installed only as the name `JitterBuffer` inside aiortc.rtcrtpreceiver, the one place that
+    builds receive buffers; video buffers pass through unchanged. Prefetch 0 and 1 behave the
+    same: a frame is released when the first packet of the next frame arrives.
+    """
+
+    def __init__(self, capacity: int, prefetch: int = 0, is_video: bool = False) -> None:
+        if not is_video:
+            prefetch = _state["audio_prefetch"]
+        super().__init__(capacity, prefetch=prefetch, is_video=is_video)
+
+
+async def _next_encoded_frame_inline(
+    self: RTCRtpSender, codec: RTCRtpCodecParameters
+) -> _rtcrtpsender.RTCEncodedFrame | None:
+    """aiortc 1.16's `_next_encoded_frame` line for line, with the audio encode run inline.
+
+    Non-audio senders go to the stock method (video encodes take milliseconds and belong off
+    the loop). The private attributes are reached by their mangled names.
+    """
+    if self.kind != "audio":
+        return await _STOCK_NEXT_ENCODED_FRAME(self, codec)
+
+    data = await self._RTCRtpSender__track.recv()  # type: ignore[attr-defined]
+
+    # A disabled sender still drains its track so frames do not pile up; it just drops them.
+    if not self._enabled:
+        return None
+
+    audio_level = None
+    if self._RTCRtpSender__encoder is None:  # type: ignore[attr-defined]
+        self._RTCRtpSender__encoder = _rtcrtpsender.get_encoder(codec)  # type: ignore[attr-defined]
+    encoder = self._RTCRtpSender__encoder  # type: ignore[attr-defined]
+
+    if isinstance(data, _rtcrtpsender.Frame):
+        if isinstance(data, _rtcrtpsender.AudioFrame):
+            audio_level = _rtp.compute_audio_level_dbov(data)
+        force_keyframe = self._RTCRtpSender__force_keyframe  # type: ignore[attr-defined]
+        self._RTCRtpSender__force_keyframe = False  # type: ignore[attr-defined]
+        payloads, timestamp = encoder.encode(data, force_keyframe)
+    else:
+        payloads, timestamp = encoder.pack(data)
+
+    # The encoder may buffer (resampling delay) and return nothing for this frame.
+    if not payloads:
+        return None
+    return _rtcrtpsender.RTCEncodedFrame(payloads, timestamp, audio_level)
+
+
+def _aiortc_modules() -> list[ModuleType]:
+    return [
+        m
+        for name, m in list(sys.modules.items())
+        if m is not None and (name == "aiortc" or name.startswith("aiortc."))
+    ]
+
+
+def _fail(what: str) -> AiortcTuningError:
+    import aiortc
+
+    version = getattr(aiortc, "__version__", "?")
+    return AiortcTuningError(
+        f"aiortc {version}: {what}; gateway.aiortc_tuning was written against aiortc 1.16 "
+        "and must be updated before it can tune this version"
+    )
+
+
+def _code_names(func: Any) -> set[str]:
+    code = getattr(func, "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def verify() -> None:
+    """Raise AiortcTuningError if an aiortc internal that `apply()` replaces has changed."""
+    # (a) the audio level function, looked up through the module by the sender
+    level = getattr(_rtp, "compute_audio_level_dbov", None)
+    if not callable(level):
+        raise _fail("aiortc.rtp.compute_audio_level_dbov is missing")
+    if list(inspect.signature(_STOCK_LEVEL).parameters) != ["frame"]:
+        raise _fail("aiortc.rtp.compute_audio_level_dbov no longer takes (frame)")
+    if getattr(_rtcrtpsender, "rtp", None) is not _rtp:
+        raise _fail("aiortc.rtcrtpsender no longer reaches the level function as rtp.<name>")
+
+    # (b) the receiver's jitter buffer, built from the name JitterBuffer in its module
+    jitter_buffer = getattr(_rtcrtpreceiver, "JitterBuffer", None)
+    if not (isinstance(jitter_buffer, type) and issubclass(jitter_buffer, _STOCK_JITTER_BUFFER)):
+        raise _fail("aiortc.rtcrtpreceiver.JitterBuffer is missing")
+    params = list(inspect.signature(_STOCK_JITTER_BUFFER.__init__).parameters)
+    if params[:4] != ["self", "capacity", "prefetch", "is_video"]:
+        raise _fail(f"JitterBuffer.__init__ takes {params[1:]}, not (capacity, prefetch, is_video)")
+    if "JitterBuffer" not in _code_names(RTCRtpReceiver.__init__):
+        raise _fail("RTCRtpReceiver.__init__ no longer builds a JitterBuffer")
+
+    # (c) the sender's encode step that is copied with the executor hop taken out
+    current = getattr(RTCRtpSender, "_next_encoded_frame", None)
+    if current is None or not inspect.iscoroutinefunction(current):
+        raise _fail("RTCRtpSender._next_encoded_frame is missing or not a coroutine")
+    if list(inspect.signature(_STOCK_NEXT_ENCODED_FRAME).parameters) != ["self", "codec"]:
+        raise _fail("RTCRtpSender._next_encoded_frame no longer takes (self, codec)")
+    missing = sorted(set(_SENDER_NAMES) - _code_names(_STOCK_NEXT_ENCODED_FRAME))
+    if missing:
+        raise _fail(f"RTCRtpSender._next_encoded_frame no longer uses {missing}")
+    for name in ("get_encoder", "RTCEncodedFrame", "Frame", "AudioFrame"):
+        if not hasattr(_rtcrtpsender, name):
+            raise _fail(f"aiortc.rtcrtpsender.{name} is missing")
+    if not isinstance(inspect.getattr_static(RTCRtpSender, "kind", None), property):
+        raise _fail("RTCRtpSender.kind is missing")
+
+
+def apply(audio_prefetch: int = 1) -> None:
+    """Install the three patches (idempotent); a second call only changes the prefetch.
+
+    The prefetch applies to receivers created afterwards. Call once at start-up, before any
+    RTCPeerConnection exists.
+    """
+    if audio_prefetch < 0:
+        raise ValueError(f"audio_prefetch must be >= 0, got {audio_prefetch}")
+    _state["audio_prefetch"] = int(audio_prefetch)
+    if _state["applied"]:
+        return
+    verify()
+    # Patch every aiortc module that bound the level function by name, not just aiortc.rtp.
+    sites = [m for m in _aiortc_modules() if vars(m).get("compute_audio_level_dbov") is _STOCK_LEVEL]
+    for module in sites:
+        module.compute_audio_level_dbov = compute_audio_level_dbov  # type: ignore[attr-defined]
+    _state["level_sites"] = sites
+    _rtcrtpreceiver.JitterBuffer = _PrefetchJitterBuffer  # type: ignore[misc]
+    RTCRtpSender._next_encoded_frame = _next_encoded_frame_inline  # type: ignore[method-assign]
+    _state["applied"] = True
+
+
+def restore() -> None:
+    """Put stock aiortc back (for tests and comparisons); a no-op when nothing is applied."""
+    if not _state["applied"]:
+        return
+    for module in _state["level_sites"]:
+        module.compute_audio_level_dbov = _STOCK_LEVEL
+    _state["level_sites"] = []
+    _rtcrtpreceiver.JitterBuffer = _STOCK_JITTER_BUFFER  # type: ignore[misc]
+    RTCRtpSender._next_encoded_frame = _STOCK_NEXT_ENCODED_FRAME  # type: ignore[method-assign]
+    _state["applied"] = False
+
+
+def applied() -> bool:
+    """Whether the patches are installed now."""
+    return bool(_state["applied"])
+
+
+def audio_prefetch() -> int:
+    """The prefetch that audio jitter buffers get while the patches are installed."""
+    return int(_state["audio_prefetch"])

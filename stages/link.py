@@ -1,0 +1,225 @@
+"""The gateway's end of the pipeline: push caller audio and commands, receive stage events.
+
+Used by the gateway and by anything else that drives the stages without WebRTC
+(`omni-gateway say-file`, the tests, the load generator).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shm import PeerDiedError
+from stages.messages import (
+    BadRecord,
+    Cancel,
+    Kind,
+    Msg,
+    ResponseCreate,
+    SessionClose,
+    SessionOpen,
+    SpeechStarted,
+    SpeechStopped,
+    Truncate,
+    decode,
+)
+from stages.rings import GATEWAY, STAGES, RingNames, attach_ends
+
+logger = logging.getLogger(__name__)
+
+
+class SessionsFull(RuntimeError):
+    """Every session slot of the pipeline is taken."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageEvent:
+    """A record from a stage, decoded; `msg` is bytes for AUDIO_OUT."""
+
+    stage: str
+    session: int
+    kind: Kind
+    epoch: int
+    seq: int
+    t_ns: int
+    msg: Any
+
+
+class PipelineLink:
+    """Attaches to the gateway's ends of the rings; `on_event` runs on reader threads."""
+
+    def __init__(self, names: RingNames, on_event: Callable[[StageEvent], None]) -> None:
+        self.control, self._inputs, self._outputs = attach_ends(names, GATEWAY)
+        self.on_event = on_event
+        self._stop = threading.Event()
+        self._cancel_ids = itertools.count(1)
+        self._readers = [
+            threading.Thread(
+                target=self._read, args=(stage, ring), name=f"link<-{stage}", daemon=True
+            )
+            for stage, ring in self._inputs.items()
+        ]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, stage: str, ring: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                rec = ring.pop(timeout=0.25)
+            except PeerDiedError as exc:
+                logger.warning("%s", exc)
+                continue
+            if rec is None:
+                continue
+            try:
+                msg = decode(rec.kind, rec.payload)
+                self.on_event(
+                    StageEvent(
+                        stage, rec.session, Kind(rec.kind), rec.epoch, rec.seq, rec.t_ns, msg
+                    )
+                )
+            except BadRecord as exc:
+                logger.error("bad record from %s: %s", stage, exc)
+            except Exception:  # a faulty handler must not stop the reader
+                logger.exception("handling a %s record from %s failed", rec.kind, stage)
+
+    def _send(self, stage: str, session: int, msg: Msg) -> None:
+        if not self._outputs[stage].send(session, msg, timeout=1.0):
+            raise RuntimeError(f"ring to {stage} is full: is the {stage} stage stuck?")
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def open_session(self, opening: SessionOpen | None = None) -> int:
+        """Claim a session id and tell every stage; raises SessionsFull when none is free."""
+        session = self.control.open_session()
+        if session is None:
+            raise SessionsFull(f"all {self.control.max_sessions} sessions are in use")
+        for stage in STAGES:
+            self._send(stage, session, opening or SessionOpen())
+        return session
+
+    def close_session(self, session: int, reason: str = "closed") -> None:
+        """Tell every stage to drop the session (the reasoning stage aborts its request),
+        then free the id. Records still queued for it become stale."""
+        try:
+            for stage in STAGES:
+                self._send(stage, session, SessionClose(reason))
+        finally:
+            self.control.close_session(session)
+
+    # -- caller audio and turns ------------------------------------------------------------
+
+    def send_audio(self, session: int, pcm16: np.ndarray | bytes) -> bool:
+        """Push PCM16 mono 16 kHz; False if the encoder's ring stayed full (audio dropped)."""
+        payload = pcm16 if isinstance(pcm16, bytes) else np.ascontiguousarray(pcm16, np.int16)
+        return self._outputs["encoder"].push(session, Kind.AUDIO_IN, payload, timeout=0.2)
+
+    def speech_started(self, session: int, turn_id: int, audio_start_ms: int = 0) -> None:
+        self._send("encoder", session, SpeechStarted(turn_id, audio_start_ms))
+
+    def speech_stopped(
+        self, session: int, turn_id: int, audio_end_ms: int = 0, create_response: bool = True
+    ) -> int:
+        """End the caller's turn; returns the CLOCK_MONOTONIC time it was sent."""
+        t = time.monotonic_ns()
+        self._send("encoder", session, SpeechStopped(turn_id, audio_end_ms, create_response))
+        return t
+
+    # -- replies ---------------------------------------------------------------------------
+
+    def create_response(
+        self,
+        session: int,
+        response_id: str,
+        text: str | None = None,
+        instructions: str | None = None,
+    ) -> None:
+        self._send("reasoning", session, ResponseCreate(response_id, text, instructions))
+
+    def truncate(self, session: int, response_id: str, spoken_text: str) -> None:
+        self._send("reasoning", session, Truncate(response_id, spoken_text))
+
+    def cancel(
+        self,
+        session: int,
+        response_id: str | None = None,
+        spoken_text: str | None = None,
+        reason: str = "barge_in",
+    ) -> tuple[int, int]:
+        """Purge the session everywhere at once (epoch bump), then ask each stage to stop and
+        acknowledge. Returns (cancel_id, CLOCK_MONOTONIC ns of the cancel)."""
+        t = time.monotonic_ns()
+        self.control.cancel(session)
+        cancel_id = next(self._cancel_ids)
+        msg = Cancel(cancel_id, response_id, spoken_text, reason)
+        for stage in STAGES:
+            self._send(stage, session, msg)
+        return cancel_id, t
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._readers:
+            t.join(1)
+        for ring in self._inputs.values():
+            ring.close()
+        for out in self._outputs.values():
+            out.ring.close()
+        self.control.close()
+
+
+class EventQueues:
+    """An `on_event` sink with a queue per session, for code that waits on events."""
+
+    def __init__(self) -> None:
+        self._queues: dict[int, queue.SimpleQueue[StageEvent]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, event: StageEvent) -> None:
+        self.queue(event.session).put(event)
+
+    def queue(self, session: int) -> queue.SimpleQueue[StageEvent]:
+        with self._lock:
+            return self._queues.setdefault(session, queue.SimpleQueue())
+
+    def next(self, session: int, timeout: float) -> StageEvent:
+        """The session's next event; raises TimeoutError naming the wait."""
+        try:
+            return self.queue(session).get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no event for session {session} within {timeout} s") from None
+
+
+@dataclass
+class SpokenTracker:
+    """Which text of a reply the caller has heard, from PHRASE marks and audio played."""
+
+    phrases: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, text)
+    samples: int = 0
+
+    def phrase(self, text: str) -> None:
+        self.phrases.append((self.samples, self.samples, text))
+
+    def audio(self, n_samples: int) -> None:
+        self.samples += n_samples
+        if self.phrases:
+            start, _, text = self.phrases[-1]
+            self.phrases[-1] = (start, self.samples, text)
+
+    def heard(self, played_samples: int) -> str:
+        """Whole phrases played, plus the share of words of the one cut off."""
+        words: list[str] = []
+        for start, end, text in self.phrases:
+            if played_samples >= end:
+                words += text.split()
+            elif played_samples > start:
+                parts = text.split()
+                words += parts[: int(len(parts) * (played_samples - start) / (end - start))]
+        return " ".join(words)

@@ -1,0 +1,188 @@
+"""Record kinds and payload schemas for everything that crosses a ring, defined once.
+
+Every ring record carries `kind` and `session` in its header (plus epoch, seq and a
+CLOCK_MONOTONIC stamp). Audio travels as raw PCM16 bytes, read zero-copy; every other
+payload is a msgspec Struct encoded as a MessagePack array (no pickles, no field names on
+the wire), looked up by the record's kind.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class Kind(enum.IntEnum):
+    # gateway -> encoder
+    AUDIO_IN = 1  # raw PCM16 mono 16 kHz, usually 200 ms
+    SPEECH_STARTED = 2
+    SPEECH_STOPPED = 3
+    # encoder -> gateway, encoder -> reasoning
+    TRANSCRIPT = 10
+    # gateway -> reasoning
+    RESPONSE_CREATE = 20
+    TRUNCATE = 21
+    # reasoning -> vocoder, reasoning -> gateway
+    RESPONSE_STARTED = 30
+    TEXT_DELTA = 31
+    RESPONSE_DONE = 32
+    # vocoder -> gateway
+    AUDIO_OUT = 40  # raw PCM16 mono at the vocoder's rate, <= 100 ms
+    PHRASE = 41  # which text the audio that follows speaks
+    AUDIO_DONE = 42
+    # gateway -> every stage, and their answers
+    SESSION_OPEN = 50
+    SESSION_CLOSE = 51
+    CANCEL = 52
+    CANCEL_ACK = 53
+    ERROR = 54
+
+
+class Msg(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Base of every payload schema."""
+
+
+class SpeechStarted(Msg):
+    turn_id: int
+    audio_start_ms: int = 0
+
+
+class SpeechStopped(Msg):
+    turn_id: int
+    audio_end_ms: int = 0
+    create_response: bool = True
+
+
+class Transcript(Msg):
+    turn_id: int
+    text: str
+    final: bool
+    create_response: bool = True  # from the SPEECH_STOPPED it answers
+    # CLOCK_MONOTONIC of the SPEECH_STOPPED record this final transcript answers (0 for partials)
+    speech_stopped_ns: int = 0
+
+
+class SessionOpen(Msg):
+    instructions: str | None = None  # system prompt; None keeps the configured one
+    voice: str | None = None
+    max_output_tokens: int | None = None
+
+
+class SessionClose(Msg):
+    reason: str = "closed"
+
+
+class ResponseCreate(Msg):
+    """Start a reply now; `text` appends a user turn first (a typed message)."""
+
+    response_id: str
+    text: str | None = None
+    instructions: str | None = None
+
+
+class Truncate(Msg):
+    """Cut the assistant's reply to what the caller actually heard."""
+
+    response_id: str
+    spoken_text: str
+
+
+class ResponseStarted(Msg):
+    response_id: str
+    turn_id: int  # the user turn it answers; -1 for an explicit response.create
+
+
+class TextDelta(Msg):
+    response_id: str
+    text: str
+    index: int  # position of the delta in the reply
+
+
+class ResponseDone(Msg):
+    response_id: str
+    status: str  # "completed", "cancelled", "incomplete" or "failed"
+    text: str  # whole reply as generated (the spoken part comes back through PHRASE)
+    output_tokens: int = 0
+    first_token_ns: int = 0
+
+
+class Phrase(Msg):
+    """The audio records that follow, up to the next PHRASE, speak `text`."""
+
+    response_id: str
+    text: str
+    sample_rate: int
+
+
+class AudioDone(Msg):
+    response_id: str
+    status: str  # "completed" or "cancelled"
+
+
+class Cancel(Msg):
+    cancel_id: int
+    response_id: str | None = None
+    spoken_text: str | None = None  # what the caller heard of the reply, for the history
+    reason: str = "barge_in"
+
+
+class CancelAck(Msg):
+    cancel_id: int
+    stage: str
+    t_ns: int  # CLOCK_MONOTONIC when the stage had stopped everything
+    kv_usage: float | None = None  # reasoning only: KV-cache usage after the abort
+
+
+class Error(Msg):
+    stage: str
+    code: str
+    message: str
+
+
+SCHEMAS: dict[Kind, type[Msg]] = {
+    Kind.SPEECH_STARTED: SpeechStarted,
+    Kind.SPEECH_STOPPED: SpeechStopped,
+    Kind.TRANSCRIPT: Transcript,
+    Kind.RESPONSE_CREATE: ResponseCreate,
+    Kind.TRUNCATE: Truncate,
+    Kind.RESPONSE_STARTED: ResponseStarted,
+    Kind.TEXT_DELTA: TextDelta,
+    Kind.RESPONSE_DONE: ResponseDone,
+    Kind.PHRASE: Phrase,
+    Kind.AUDIO_DONE: AudioDone,
+    Kind.SESSION_OPEN: SessionOpen,
+    Kind.SESSION_CLOSE: SessionClose,
+    Kind.CANCEL: Cancel,
+    Kind.CANCEL_ACK: CancelAck,
+    Kind.ERROR: Error,
+}
+KIND_OF: dict[type[Msg], Kind] = {cls: kind for kind, cls in SCHEMAS.items()}
+RAW_KINDS = frozenset({Kind.AUDIO_IN, Kind.AUDIO_OUT})
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in SCHEMAS.items()}
+
+
+class BadRecord(ValueError):
+    """A record whose kind or payload does not match any schema."""
+
+
+def encode(msg: Msg) -> tuple[Kind, bytes]:
+    """(kind, payload bytes) for a message."""
+    return KIND_OF[type(msg)], _encoder.encode(msg)
+
+
+def decode(kind: int, payload: Any) -> Msg | memoryview | bytes:
+    """The message of a record: a Struct, or the raw buffer for audio kinds."""
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise BadRecord(f"unknown record kind {kind}") from None
+    if k in RAW_KINDS:
+        return payload
+    try:
+        return _decoders[k].decode(payload)
+    except msgspec.DecodeError as exc:
+        raise BadRecord(f"bad {k.name} payload: {exc}") from exc

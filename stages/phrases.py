@@ -1,0 +1,51 @@
+"""Cutting a stream of text deltas into phrases a voice can speak right away."""
+
+from __future__ import annotations
+
+import re
+
+# a phrase ends at sentence or clause punctuation followed by whitespace
+_BOUNDARY = re.compile(r"[.!?;:,\u2026]+[\"')\]]*\s+")
+
+
+class PhraseSplitter:
+    """Feed it deltas; it returns phrases as soon as they are complete.
+
+    The first phrase goes out at the first punctuation boundary or after `first_words` whole
+    words, whichever comes first, so speech starts within a few tokens. Later phrases end at
+    punctuation, or after `max_words` words when the model writes none.
+    """
+
+    def __init__(self, first_words: int = 4, max_words: int = 20) -> None:
+        self.first_words = first_words
+        self.max_words = max_words
+        self._buffer = ""
+        self._emitted = 0
+
+    def feed(self, text: str) -> list[str]:
+        self._buffer += text
+        phrases = []
+        while phrase := self._take():
+            phrases.append(phrase)
+        return phrases
+
+    def flush(self) -> str | None:
+        """What is left at the end of the reply."""
+        rest, self._buffer = self._buffer.strip(), ""
+        return rest or None
+
+    def _take(self) -> str | None:
+        limit = self.first_words if self._emitted == 0 else self.max_words
+        match = _BOUNDARY.search(self._buffer)
+        # whole words are those followed by whitespace; the last one may still be growing
+        words = list(re.finditer(r"\S+\s+", self._buffer))
+        cut = match.end() if match else None
+        if len(words) >= limit and (cut is None or words[limit - 1].end() < cut):
+            cut = words[limit - 1].end()
+        if cut is None:
+            return None
+        phrase, self._buffer = self._buffer[:cut].strip(), self._buffer[cut:]
+        if not phrase:
+            return None
+        self._emitted += 1
+        return phrase

@@ -1,0 +1,289 @@
+"""The reasoning stage: final transcripts in, text deltas out, from one vLLM engine for all
+sessions (continuous batching). Each session keeps its conversation; a cancelled reply is
+remembered only as far as the caller heard it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.config import TINY_CHAT_MODEL, ReasoningConfig
+from stages.messages import (
+    Cancel,
+    Kind,
+    ResponseCreate,
+    ResponseDone,
+    ResponseStarted,
+    SessionOpen,
+    TextDelta,
+    Transcript,
+    Truncate,
+)
+from stages.rings import GATEWAY
+from stages.worker import Inbound, Stage, StageSpec
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model(config: ReasoningConfig) -> str:
+    """The model path or id to load; the built-in tiny model is built on first use."""
+    if config.model != TINY_CHAT_MODEL:
+        return config.model
+    from stages.backends.tiny_chat_model import ensure_tiny_chat_model
+
+    path = ensure_tiny_chat_model()
+    logger.warning(
+        "reasoning: using %s, a tiny RANDOM-WEIGHT chat model built locally (%s): replies are "
+        "gibberish; set reasoning.model to a real chat model for real answers",
+        TINY_CHAT_MODEL,
+        path,
+    )
+    return str(path)
+
+
+@dataclass
+class Conversation:
+    system_prompt: str
+    max_messages: int
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    def add(self, role: str, text: str) -> None:
+        if text:
+            self.messages.append({"role": role, "content": text})
+            del self.messages[: max(0, len(self.messages) - self.max_messages)]
+
+    def prompt(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system_prompt}, *self.messages]
+
+
+@dataclass
+class Response:
+    response_id: str
+    request_id: str
+    epoch: int
+    task: asyncio.Task[None] | None = None
+    text: str = ""
+    finished: bool = False
+
+
+@dataclass
+class SessionState:
+    conversation: Conversation
+    response: Response | None = None
+
+
+class ReasoningStage(Stage):
+    name = "reasoning"
+
+    def __init__(self, spec: StageSpec, stop: threading.Event) -> None:
+        super().__init__(spec, stop)
+        self.sessions: dict[int, SessionState] = {}
+        self._request_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def load(self) -> dict[str, Any]:
+        from stages.backends.llm_vllm import ReasoningEngine
+
+        cfg = self.config.reasoning
+        self._loop = asyncio.new_event_loop()
+        model = resolve_model(cfg)
+        self.engine = self._loop.run_until_complete(
+            ReasoningEngine.start(model, cfg.engine_args, cfg.sampling)
+        )
+        return {"model": model}
+
+    def run(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        try:
+            loop.run_until_complete(self._run_until_stopped())
+        finally:
+            try:
+                self.engine.shutdown()
+                # let vLLM's output handler and our tasks see their cancellation before the
+                # loop goes away
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            finally:
+                loop.close()
+
+    async def _run_until_stopped(self) -> None:
+        stopped = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_sigterm() -> None:
+            self.stop.set()
+            stopped.set()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        if not self.stop.is_set():
+            await stopped.wait()
+        for state in self.sessions.values():
+            await self._stop_response(state)
+
+    def deliver(self, item: Inbound) -> None:
+        """Reader thread -> event loop."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, item)
+
+    # -- on the event loop -----------------------------------------------------------------
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _dispatch(self, item: Inbound) -> None:
+        s = item.session
+        if self.is_stale(item):
+            return
+        if item.kind is Kind.SESSION_OPEN:
+            self._spawn(self._open(s, item.msg), f"open-{s}")
+        elif item.kind is Kind.SESSION_CLOSE:
+            self._spawn(self._close(s), f"close-{s}")
+        elif item.kind is Kind.CANCEL:
+            self._spawn(self._cancel(s, item.msg), f"cancel-{s}")
+        elif item.kind is Kind.TRANSCRIPT:
+            msg: Transcript = item.msg
+            state = self._state(s)
+            state.conversation.add("user", msg.text)
+            if msg.final and msg.text and msg.create_response:
+                self._start(s, state, f"resp_{s}_{msg.turn_id}", msg.turn_id, item.epoch)
+        elif item.kind is Kind.RESPONSE_CREATE:
+            create: ResponseCreate = item.msg
+            state = self._state(s)
+            if create.text:
+                state.conversation.add("user", create.text)
+            self._start(s, state, create.response_id, -1, item.epoch, create.instructions)
+        elif item.kind is Kind.TRUNCATE:
+            self._truncate(self._state(s), item.msg)
+
+    def _state(self, session: int) -> SessionState:
+        state = self.sessions.get(session)
+        if state is None:  # a session whose SESSION_OPEN we missed (e.g. after a restart)
+            state = self.sessions[session] = SessionState(self._new_conversation(None))
+        return state
+
+    def _new_conversation(self, instructions: str | None) -> Conversation:
+        cfg = self.config.reasoning
+        return Conversation(instructions or cfg.system_prompt, cfg.max_history_messages)
+
+    async def _open(self, session: int, msg: SessionOpen) -> None:
+        old = self.sessions.pop(session, None)
+        if old is not None:
+            await self._stop_response(old)
+        self.sessions[session] = SessionState(self._new_conversation(msg.instructions))
+
+    async def _close(self, session: int) -> None:
+        state = self.sessions.pop(session, None)
+        if state is not None:
+            await self._stop_response(state)
+
+    def _start(
+        self,
+        session: int,
+        state: SessionState,
+        response_id: str,
+        turn_id: int,
+        epoch: int,
+        instructions: str | None = None,
+    ) -> None:
+        previous = state.response
+        response = Response(response_id, f"{response_id}-{next(self._request_ids)}", epoch)
+        state.response = response
+        response.task = self._spawn(
+            self._respond(session, state, response, previous, turn_id, instructions),
+            f"respond-{response.request_id}",
+        )
+
+    async def _respond(
+        self,
+        session: int,
+        state: SessionState,
+        response: Response,
+        previous: Response | None,
+        turn_id: int,
+        instructions: str | None,
+    ) -> None:
+        if previous is not None:  # one reply at a time per session
+            await self._stop(previous)
+            state.conversation.add("assistant", previous.text)
+        e = response.epoch
+        started = ResponseStarted(response.response_id, turn_id)
+        self.send("vocoder", session, started, epoch=e)
+        self.send(GATEWAY, session, started, epoch=e)
+        prompt = state.conversation.prompt()
+        if instructions:
+            prompt[0] = {"role": "system", "content": instructions}
+        status, first_ns, index = "completed", 0, 0
+        try:
+            async for text in self.engine.generate(response.request_id, prompt):
+                if not first_ns:
+                    first_ns = time.monotonic_ns()
+                response.text += text
+                delta = TextDelta(response.response_id, text, index)
+                index += 1
+                self.send("vocoder", session, delta, epoch=e)
+                self.send(GATEWAY, session, delta, epoch=e)
+        except asyncio.CancelledError:
+            raise  # _cancel answers for a cancelled reply
+        except Exception as exc:
+            status = "failed"
+            self.error(session, "generation_failed", f"{type(exc).__name__}: {exc}")
+        response.finished = True
+        state.conversation.add("assistant", response.text)
+        done = ResponseDone(response.response_id, status, response.text, index, first_ns)
+        self.send("vocoder", session, done, epoch=e)
+        self.send(GATEWAY, session, done, epoch=e)
+        if state.response is response:
+            state.response = None
+
+    async def _stop(self, response: Response) -> None:
+        """Cancel the reply's task; generate() turns that into a vLLM abort (KV freed)."""
+        task = response.task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.engine.abort(response.request_id)  # idempotent; covers a task not yet run
+
+    async def _stop_response(self, state: SessionState) -> None:
+        if state.response is not None:
+            await self._stop(state.response)
+            state.response = None
+
+    async def _cancel(self, session: int, msg: Cancel) -> None:
+        seq = self.engine.kv_stats_seq()
+        state = self.sessions.get(session)
+        response = state.response if state else None
+        if state is not None and response is not None and not response.finished:
+            await self._stop(response)
+            state.response = None
+            heard = msg.spoken_text if msg.spoken_text is not None else response.text
+            state.conversation.add("assistant", heard)
+        elif state is not None and msg.spoken_text is not None and msg.response_id:
+            # the reply had finished generating but was still being spoken
+            self._truncate(state, Truncate(msg.response_id, msg.spoken_text))
+        kv = await self.engine.kv_usage_after_abort(seq)
+        self.ack(session, msg.cancel_id, kv_usage=kv)
+
+    def _truncate(self, state: SessionState, msg: Truncate) -> None:
+        """Replace the last assistant message with what the caller heard of it."""
+        for m in reversed(state.conversation.messages):
+            if m["role"] == "assistant":
+                if msg.spoken_text:
+                    m["content"] = msg.spoken_text
+                else:
+                    state.conversation.messages.remove(m)
+                return

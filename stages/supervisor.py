@@ -1,0 +1,251 @@
+"""Starts the stage processes on a fresh set of rings, watches them, restarts the dead.
+
+The supervisor's process owns every segment: it reaps what a crashed predecessor left, and
+unlinks everything on stop, at exit, or after an error during start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shm import reap_stale
+from stages.config import PipelineConfig
+from stages.messages import Error
+from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet
+from stages.worker import StageSpec, stage_main
+
+logger = logging.getLogger(__name__)
+_ctx = mp.get_context("spawn")  # vLLM and CUDA need spawn; it is also the portable choice
+
+Progress = Callable[[str], None]
+
+
+class StageStartError(RuntimeError):
+    """A stage did not become ready; the message names the stage and why."""
+
+    def __init__(self, stage: str, reason: str) -> None:
+        super().__init__(f"stage {stage!r} failed to start: {reason}")
+        self.stage = stage
+        self.reason = reason
+
+
+@dataclass
+class StageProcess:
+    name: str
+    process: Any = None  # multiprocessing.Process
+    conn: Any = None  # the parent's end of its status pipe
+    info: dict[str, Any] = field(default_factory=dict)
+    ready: bool = False
+    restarts: int = 0
+    failed_restarts: int = 0
+
+
+class Supervisor:
+    """Runs the encoder, reasoning and vocoder stages of one pipeline.
+
+    `start()` blocks until all three are ready (or raises StageStartError, leaving nothing
+    behind); a watcher thread then restarts a stage that dies, after cancelling the open
+    sessions and pushing an ERROR record for each into that stage's ring to the gateway.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        log_level: int = logging.INFO,
+        on_restart: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.log_level = log_level
+        self.names = RingNames.fresh()
+        self.rings: RingSet | None = None
+        self.stages = {name: StageProcess(name) for name in STAGES}
+        self.on_restart = on_restart
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self, progress: Progress | None = None) -> None:
+        progress = progress or (lambda line: logger.info("%s", line))
+        if reaped := reap_stale():
+            progress(f"reaped {len(reaped)} shared-memory segments left by a dead process")
+        self.rings = RingSet(self.names, self.config)
+        try:
+            for stage in self.stages.values():
+                self._spawn(stage)
+            self._wait_ready(list(self.stages.values()), progress)
+        except BaseException:
+            self.stop()
+            raise
+        self._watcher = threading.Thread(target=self._watch, name="stage-watcher", daemon=True)
+        self._watcher.start()
+
+    def _spawn(self, stage: StageProcess) -> None:
+        parent, child = _ctx.Pipe(duplex=False)
+        spec = StageSpec(
+            stage.name,
+            self.names,
+            self.config.model_dump(include=set(PipelineConfig.model_fields)),
+            self.log_level,
+        )
+        stage.process = _ctx.Process(
+            target=stage_main, args=(spec, child), name=f"omni-{stage.name}", daemon=False
+        )
+        stage.process.start()
+        child.close()
+        stage.conn, stage.ready, stage.info = parent, False, {}
+
+    def _wait_ready(self, pending: list[StageProcess], progress: Progress) -> None:
+        t0 = time.monotonic()
+        timeout = self.config.supervisor.ready_timeout_s
+        last_report = t0
+        waiting = {s.conn: s for s in pending}
+        sentinels = {s.process.sentinel: s for s in pending}
+        while waiting:
+            elapsed = time.monotonic() - t0
+            if elapsed > timeout:
+                names = ", ".join(sorted(s.name for s in waiting.values()))
+                raise StageStartError(names, f"not ready after {timeout:.0f} s")
+            ready = mp.connection.wait([*waiting, *sentinels], timeout=min(2.0, timeout))
+            for obj in ready:
+                if obj in waiting:
+                    stage = waiting[obj]
+                    try:
+                        status, detail = obj.recv()
+                    except EOFError:
+                        status, detail = "failed", "exited before reporting"
+                    if status != "ready":
+                        raise StageStartError(stage.name, detail)
+                    stage.ready, stage.info = True, detail
+                    del waiting[obj]
+                    del sentinels[stage.process.sentinel]
+                    progress(
+                        f"{stage.name} ready in {time.monotonic() - t0:.1f} s "
+                        f"({', '.join(f'{k}={v}' for k, v in detail.items())})"
+                    )
+                elif obj in sentinels and sentinels[obj].conn in waiting:
+                    stage = sentinels[obj]
+                    if not stage.conn.poll():  # died without a word
+                        stage.process.join(1)
+                        raise StageStartError(
+                            stage.name, f"process exited with code {stage.process.exitcode}"
+                        )
+            if waiting and time.monotonic() - last_report >= 5:
+                last_report = time.monotonic()
+                names = ", ".join(sorted(s.name for s in waiting.values()))
+                progress(f"loading models: waiting for {names} ({time.monotonic() - t0:.0f} s)")
+
+    # -- watch and restart -----------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return all(s.ready and s.process.is_alive() for s in self.stages.values())
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            sentinels = {s.process.sentinel: s for s in self.stages.values()}
+            dead = mp.connection.wait(list(sentinels), timeout=0.5)
+            for sentinel in dead:
+                if self._stopping.is_set():
+                    return
+                self._restart(sentinels[sentinel])
+
+    def _restart(self, stage: StageProcess) -> None:
+        stage.process.join(1)
+        code = stage.process.exitcode
+        stage.ready = False
+        logger.error(
+            "stage %s (pid %s) died with exit code %s; restarting",
+            stage.name,
+            stage.process.pid,
+            code,
+        )
+        self._fail_open_sessions(
+            stage.name,
+            f"the {stage.name} stage died (exit code {code}) "
+            "and is being restarted; the current turn was lost",
+        )
+        while not self._stopping.is_set():
+            if stage.failed_restarts > self.config.supervisor.max_restarts:
+                logger.error(
+                    "stage %s failed to restart %d times; giving up",
+                    stage.name,
+                    stage.failed_restarts,
+                )
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self._spawn(stage)
+            try:
+                self._wait_ready([stage], lambda line: logger.info("restart: %s", line))
+            except StageStartError as exc:
+                stage.failed_restarts += 1
+                logger.error("%s", exc)
+                stage.process.join(5)
+                time.sleep(min(30.0, 0.5 * 2**stage.failed_restarts))  # back off
+                continue
+            stage.restarts += 1
+            stage.failed_restarts = 0
+            if self.on_restart:
+                self.on_restart(stage.name, stage.restarts)
+            return
+
+    def _fail_open_sessions(self, stage: str, message: str) -> None:
+        """Cancel every open session and tell the gateway, through the dead stage's own ring
+        (its producer is dead, so the supervisor may push there until the restart)."""
+        assert self.rings is not None
+        control = self.rings.control
+        to_gateway = self.rings.rings[(stage, GATEWAY)]
+        for session in control.open_sessions():
+            control.cancel(session)
+            Outbox(to_gateway, stage, GATEWAY).send(
+                session, Error(stage, "stage_restarted", message), timeout=1.0
+            )
+
+    # -- stop ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """SIGTERM every stage, wait for them, kill stragglers, unlink every segment.
+        Safe to call twice."""
+        self._stopping.set()
+        with self._lock:
+            procs = [s.process for s in self.stages.values() if s.process is not None]
+            for p in procs:
+                if p.is_alive():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.config.supervisor.stop_timeout_s
+            for p in procs:
+                p.join(max(0.1, deadline - time.monotonic()))
+                if p.is_alive():
+                    logger.warning("stage %s did not stop in time; killing it", p.name)
+                    p.kill()
+                    p.join(5)
+            for s in self.stages.values():
+                if s.conn is not None:
+                    s.conn.close()
+                    s.conn = None
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(2)
+        if self.rings is not None:
+            self.rings.close()
+            self.rings = None
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,222 @@
+"""What every stage process shares: attaching its rings, reader threads, acks and errors.
+
+A stage process runs `stage_main`. Reader threads own the input rings (one each); the model
+loop owns the model. Records of a cancelled epoch never reach the model loop's hands: the ring
+drops what was queued at the time of the cancel, and `is_stale` drops what the reader had
+already passed on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from shm import PeerDiedError, Record
+from stages.config import PipelineConfig
+from stages.messages import BadRecord, CancelAck, Error, Kind, Msg, decode
+from stages.rings import GATEWAY, UNPURGEABLE, RingNames, attach_ends
+
+logger = logging.getLogger(__name__)
+
+POP_TIMEOUT_S = 0.25  # how often an idle reader looks at the stop flag
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage process is started with (picklable for spawn)."""
+
+    stage: str
+    names: RingNames
+    config: dict[str, Any]
+    log_level: int = logging.INFO
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """A decoded record, as a reader thread hands it to the model loop."""
+
+    src: str
+    kind: Kind
+    session: int
+    epoch: int
+    t_ns: int
+    msg: Any  # a messages.Msg, or bytes for audio
+
+
+class Stage:
+    """Base of the encoder, reasoning and vocoder stages."""
+
+    name = "stage"
+
+    def __init__(self, spec: StageSpec, stop: threading.Event) -> None:
+        self.spec = spec
+        self.config = PipelineConfig.model_validate(spec.config)
+        self.stop = stop
+        self.control, self.inputs, self.outputs = attach_ends(spec.names, self.name)
+        self._readers: list[threading.Thread] = []
+
+    # -- lifecycle, overridden by stages --------------------------------------------------
+
+    def load(self) -> dict[str, Any]:
+        """Load models; return facts for the supervisor (e.g. the output sample rate)."""
+        return {}
+
+    def run(self) -> None:
+        """The model loop; returns when `self.stop` is set."""
+        raise NotImplementedError
+
+    def deliver(self, item: Inbound) -> None:
+        """Called on a reader thread for every record that is not stale."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for t in self._readers:
+            t.join(2 * POP_TIMEOUT_S + 1)
+        for ring in self.inputs.values():
+            ring.close()
+        for out in self.outputs.values():
+            out.ring.close()
+        self.control.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def start_readers(self) -> None:
+        for src, ring in self.inputs.items():
+            t = threading.Thread(
+                target=self._read, args=(src, ring), name=f"{self.name}<-{src}", daemon=True
+            )
+            t.start()
+            self._readers.append(t)
+
+    def _read(self, src: str, ring: Any) -> None:
+        while not self.stop.is_set():
+            try:
+                rec: Record | None = ring.pop(timeout=POP_TIMEOUT_S)
+            except PeerDiedError as exc:
+                logger.warning("%s: %s; waiting for it to be restarted", self.name, exc)
+                continue
+            if rec is None:
+                continue
+            try:
+                msg = decode(rec.kind, rec.payload)
+            except BadRecord as exc:
+                self.error(rec.session, "bad_record", f"from {src}: {exc}")
+                continue
+            try:
+                self.deliver(Inbound(src, Kind(rec.kind), rec.session, rec.epoch, rec.t_ns, msg))
+            except Exception as exc:  # one bad record must not stop the reader
+                logger.exception("%s: handling %s from %s failed", self.name, rec.kind, src)
+                self.error(rec.session, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    def is_stale(self, item: Inbound) -> bool:
+        """True when the session was cancelled (or closed) after `item` was pushed; records
+        that manage sessions and cancels are never stale."""
+        if item.kind in UNPURGEABLE:
+            return False
+        return (item.epoch - self.control.epoch(item.session)) % (1 << 32) >= 1 << 31
+
+    def send(self, dst: str, session: int, msg: Msg, *, epoch: int | None = None) -> None:
+        if not self.outputs[dst].send(session, msg, epoch=epoch):
+            logger.error(
+                "%s: ring to %s stayed full; dropped %s for session %d",
+                self.name,
+                dst,
+                type(msg).__name__,
+                session,
+            )
+
+    def ack(self, session: int, cancel_id: int, kv_usage: float | None = None) -> None:
+        self.send(GATEWAY, session, CancelAck(cancel_id, self.name, time.monotonic_ns(), kv_usage))
+
+    def error(self, session: int, code: str, message: str) -> None:
+        logger.warning("%s: session %d: %s: %s", self.name, session, code, message)
+        self.send(GATEWAY, session, Error(self.name, code, message))
+
+
+class QueuedStage(Stage):
+    """A stage whose model loop is one thread taking records from a priority inbox: session
+    control and cancels jump the queue, stale records are dropped as they come up."""
+
+    URGENT = frozenset({Kind.CANCEL, Kind.SESSION_OPEN, Kind.SESSION_CLOSE})
+
+    def __init__(self, spec: StageSpec, stop: threading.Event) -> None:
+        super().__init__(spec, stop)
+        self.inbox: queue.PriorityQueue[tuple[int, int, Inbound]] = queue.PriorityQueue()
+        self._order = itertools.count()
+
+    def deliver(self, item: Inbound) -> None:
+        self.inbox.put((0 if item.kind in self.URGENT else 1, next(self._order), item))
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                _, _, item = self.inbox.get(timeout=POP_TIMEOUT_S)
+            except queue.Empty:
+                continue
+            if self.is_stale(item):
+                continue
+            try:
+                self.handle(item)
+            except Exception as exc:  # this session's turn fails; the others go on
+                logger.exception(
+                    "%s: %s for session %d failed", self.name, item.kind.name, item.session
+                )
+                self.error(item.session, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    def handle(self, item: Inbound) -> None:
+        raise NotImplementedError
+
+
+def _stage_class(name: str) -> type[Stage]:
+    # imported here: each process loads only the models of its own stage
+    if name == "encoder":
+        from stages.encoder import EncoderStage
+
+        return EncoderStage
+    if name == "reasoning":
+        from stages.reasoning import ReasoningStage
+
+        return ReasoningStage
+    if name == "vocoder":
+        from stages.vocoder import VocoderStage
+
+        return VocoderStage
+    raise ValueError(f"unknown stage {name!r}")
+
+
+def stage_main(spec: StageSpec, conn: Connection) -> None:
+    """Entry point of a stage process: load, report ready, run until SIGTERM."""
+    logging.basicConfig(
+        level=spec.log_level,
+        format=f"%(asctime)s {spec.stage}[%(process)d] %(levelname)s %(message)s",
+    )
+    stop = threading.Event()
+    # Ctrl-C reaches the whole process group; the supervisor decides, and stops us by SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stage: Stage | None = None
+    try:
+        stage = _stage_class(spec.stage)(spec, stop)
+        info = stage.load()
+        stage.start_readers()
+        conn.send(("ready", {"pid": os.getpid(), **info}))
+        stage.run()
+    except BaseException as exc:
+        logger.error("%s failed: %s", spec.stage, "".join(traceback.format_exception(exc)))
+        with contextlib.suppress(OSError):
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    finally:
+        stop.set()
+        if stage is not None:
+            stage.close()
