@@ -21,7 +21,6 @@ from stages.messages import (
     ResponseCreate,
     ResponseDone,
     ResponseStarted,
-    SessionOpen,
     TextDelta,
     Transcript,
     Truncate,
@@ -148,10 +147,14 @@ class ReasoningStage(Stage):
         s = item.session
         if self.is_stale(item):
             return
-        if item.kind is Kind.SESSION_OPEN:
-            self._spawn(self._open(s, item.msg), f"open-{s}")
-        elif item.kind is Kind.SESSION_CLOSE:
-            self._spawn(self._close(s), f"close-{s}")
+        if item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
+            # swap the state now, so records that follow in the ring find the new session;
+            # only stopping the old reply's request waits
+            old = self.sessions.pop(s, None)
+            if item.kind is Kind.SESSION_OPEN:
+                self.sessions[s] = SessionState(self._new_conversation(item.msg.instructions))
+            if old is not None and old.response is not None:
+                self._spawn(self._stop(old.response), f"stop-{s}")
         elif item.kind is Kind.CANCEL:
             self._spawn(self._cancel(s, item.msg), f"cancel-{s}")
         elif item.kind is Kind.TRANSCRIPT:
@@ -178,17 +181,6 @@ class ReasoningStage(Stage):
     def _new_conversation(self, instructions: str | None) -> Conversation:
         cfg = self.config.reasoning
         return Conversation(instructions or cfg.system_prompt, cfg.max_history_messages)
-
-    async def _open(self, session: int, msg: SessionOpen) -> None:
-        old = self.sessions.pop(session, None)
-        if old is not None:
-            await self._stop_response(old)
-        self.sessions[session] = SessionState(self._new_conversation(msg.instructions))
-
-    async def _close(self, session: int) -> None:
-        state = self.sessions.pop(session, None)
-        if state is not None:
-            await self._stop_response(state)
 
     def _start(
         self,

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -196,6 +197,11 @@ def _stage_class(name: str) -> type[Stage]:
 
 def stage_main(spec: StageSpec, conn: Connection) -> None:
     """Entry point of a stage process: load, report ready, run until SIGTERM."""
+    # stdout belongs to the command that started us (say-file --json prints there); model
+    # libraries log to stdout, so point it, and their own child processes, at stderr
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     logging.basicConfig(
         level=spec.log_level,
         format=f"%(asctime)s {spec.stage}[%(process)d] %(levelname)s %(message)s",

@@ -198,7 +198,18 @@ def build_engine_args(model: str, engine_args: Mapping[str, Any]) -> AsyncEngine
         args.setdefault("enforce_eager", True)
         # The legacy VLLM_CPU_KVCACHE_SPACE variable, when set, overrides this in vLLM itself.
         args.setdefault("kv_cache_memory_bytes", DEFAULT_CPU_KV_CACHE_BYTES)
-    return AsyncEngineArgs(model=model, **args)
+    try:
+        return AsyncEngineArgs(model=model, **args)
+    except Exception as exc:
+        raise _config_error(model, exc) from exc
+
+
+def _config_error(model: str, exc: Exception) -> ReasoningEngineError:
+    """The typed error for vLLM refusing the configuration (``exc``) of ``model``."""
+    if isinstance(exc, OSError):  # transformers / huggingface_hub: model files not found
+        where = "the folder" if Path(model).is_dir() else "the Hugging Face cache or hub"
+        return ModelNotFoundError(f"cannot load model {model!r} from {where}: {exc}")
+    return EngineConfigError(f"vLLM rejected the engine args for {model!r}: {exc}")
 
 
 def build_sampling_params(sampling: Mapping[str, Any]) -> SamplingParams:
@@ -262,7 +273,7 @@ class ReasoningEngine:
             try:
                 config = args.create_engine_config()
             except Exception as exc:
-                raise EngineConfigError(f"vLLM rejected the engine args: {exc}") from exc
+                raise _config_error(resolved, exc) from exc
             try:
                 return AsyncLLM.from_vllm_config(
                     config,
@@ -270,8 +281,11 @@ class ReasoningEngine:
                     disable_log_stats=False,
                 )
             except Exception as exc:
+                # The engine core process logs the root cause; its failure reaches us only as
+                # "Engine core initialization failed".
                 raise EngineStartError(
-                    f"vLLM failed to start on model {resolved!r}: {type(exc).__name__}: {exc}"
+                    f"vLLM failed to start on model {resolved!r}: {type(exc).__name__}: {exc} "
+                    "(the cause is in the EngineCore log lines above)"
                 ) from exc
 
         started = time.monotonic()

@@ -1,0 +1,184 @@
+"""The `omni-gateway` command as a user runs it: real processes, real exit codes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import shm
+
+ROOT = Path(__file__).parents[1]
+OFFLINE = ROOT / "configs" / "offline.yaml"
+CLI = [sys.executable, "-m", "gateway.cli"]
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in its own process group and check that it left no process behind."""
+    proc = subprocess.Popen(
+        [*CLI, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert_group_gone(proc.pid)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def assert_group_gone(pgid: int, wait_s: float = 10) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(pgid, signal.SIGKILL)
+            pytest.fail("the command left processes running")
+        time.sleep(0.1)  # polling for exits of processes we do not own
+
+
+def write_config(tmp_path: Path, **changes: object) -> Path:
+    data = yaml.safe_load(OFFLINE.read_text())
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_version_and_help() -> None:
+    out = subprocess.run([*CLI, "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("omni-gateway ")
+    out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, check=True)
+    for command in ("start", "check-config", "say-file"):
+        assert command in out.stdout
+
+
+@pytest.mark.parametrize("name", ["offline.yaml", "default.yaml"])
+def test_shipped_configs_are_valid(name: str) -> None:
+    out = subprocess.run(
+        [*CLI, "check-config", str(ROOT / "configs" / name)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "OK" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"reasoning__engine_argz": {}}, "reasoning.engine_argz: unknown key"),
+        ({"gateway__port": 70000}, "gateway.port: Input should be less than or equal to 65535"),
+        ({"encoder__backend": "vosk"}, "encoder.backend: Input should be 'pocketsphinx'"),
+        ({"vocoder__backend": "speecht5"}, "needs `model` and `vocoder`"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, changes: dict, expected: str) -> None:
+    out = subprocess.run(
+        [*CLI, "check-config", str(write_config(tmp_path, **changes))],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1
+    assert expected in out.stderr
+
+
+def test_unreadable_and_non_yaml_configs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*CLI, "check-config", str(tmp_path / "missing.yaml")], capture_output=True, text=True
+    )
+    assert out.returncode == 1 and "cannot read config" in out.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("reasoning: [unclosed\n")
+    out = subprocess.run([*CLI, "check-config", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 1 and "not valid YAML" in out.stderr
+
+
+@pytest.mark.slow
+def test_missing_model_path_fails_cleanly(tmp_path: Path, make_speech) -> None:
+    before = set(shm.list_segments())
+    config = write_config(tmp_path, reasoning__model=str(tmp_path / "no-such-model"))
+    wav = make_speech("hello there").path
+    out = run_cli("say-file", str(wav), "--config", str(config), "--out", str(tmp_path / "r.wav"))
+    assert out.returncode == 1
+    assert "stage 'reasoning' failed to start" in out.stderr
+    assert str(tmp_path / "no-such-model") in out.stderr
+    assert set(shm.list_segments()) == before
+
+
+@pytest.mark.slow
+def test_vllm_failing_to_start_fails_cleanly(tmp_path: Path, make_speech) -> None:
+    before = set(shm.list_segments())
+    # room for no KV block at all: vLLM loads the model, then refuses to start
+    config = write_config(
+        tmp_path, reasoning__engine_args={"kv_cache_memory_bytes": 1024, "enforce_eager": True}
+    )
+    wav = make_speech("hello there").path
+    out = run_cli("say-file", str(wav), "--config", str(config), "--out", str(tmp_path / "r.wav"))
+    assert out.returncode == 1
+    assert "stage 'reasoning' failed to start" in out.stderr
+    assert set(shm.list_segments()) == before
+
+
+@pytest.mark.slow
+def test_say_file_writes_the_spoken_reply(tmp_path: Path, make_speech) -> None:
+    reply = tmp_path / "reply.wav"
+    wav = make_speech("what is the weather like today").path
+    out = run_cli("say-file", str(wav), "--config", str(OFFLINE), "--out", str(reply), "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = yaml.safe_load(out.stdout)  # JSON is YAML
+    assert report["transcript"] and report["reply"]
+    assert report["reply_audio_s"] > 0.5
+    assert "speech_stopped->first_audio" in report["timings_ms"]
+    assert reply.stat().st_size > 44 + 22050  # a WAV header and over half a second of audio
+    assert "RANDOM-WEIGHT" in out.stderr  # the log says plainly the replies are noise
+
+
+@pytest.mark.slow
+def test_start_runs_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
+    before = set(shm.list_segments())
+    proc = subprocess.Popen(
+        [*CLI, "start", "--config", str(OFFLINE)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "all stages ready" in line:
+                break
+        else:
+            pytest.fail("start never became ready:\n" + "".join(seen[-30:]))
+        assert any("loading models" in line or "ready in" in line for line in seen)
+        assert len(set(shm.list_segments()) - before) == 9  # control + 8 rings
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stderr.close()
+        proc.wait()
+    assert_group_gone(proc.pid)
+    assert set(shm.list_segments()) == before
