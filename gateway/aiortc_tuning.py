@@ -7,9 +7,9 @@ Three changes, all applied by `apply()` and undone by `restore()`:
   in a few µs.
 - The audio jitter buffer that `RTCRtpReceiver` builds holds `prefetch=4` frames (about 80 ms per
   receiving hop) before it releases one; the gateway wants a low, configurable prefetch.
-- `RTCRtpSender._next_encoded_frame` hands every encode to the default executor; for Opus (tens of µs
-  per 20 ms frame) the thread hop costs more than the encode and makes many calls queue behind a few
-  executor threads, so audio is encoded inline. Video keeps aiortc's executor path.
+- `RTCRtpSender._next_encoded_frame` hands every encode to the default executor; for Opus (tens
+  of µs per 20 ms frame) the thread hop costs more than the encode and makes many calls queue
+  behind a few executor threads, so audio is encoded inline. Video keeps aiortc's executor path.
 
 `verify()` checks that the aiortc internals these patches rely on are still there, so an aiortc
 upgrade that moves them fails loudly at start-up instead of silently running stock.
@@ -36,8 +36,8 @@ from av import AudioFrame
 
 __all__ = [
     "AiortcTuningError",
-    "apply",
     "applied",
+    "apply",
     "audio_prefetch",
     "compute_audio_level_dbov",
     "restore",
@@ -88,11 +88,9 @@ def compute_audio_level_dbov(frame: AudioFrame) -> int:
     pcm = np.frombuffer(frame.planes[0], dtype=np.int16).astype(np.int64)
     energy = int((pcm * pcm).sum())
     rms = math.sqrt(energy / (frame.samples * _MAX_SAMPLE_VALUE * _MAX_SAMPLE_VALUE))
-    if rms > 0:
-        db = min(max(20 * math.log10(rms), _MIN_AUDIO_LEVEL), 0)
-    else:
-        db = _MIN_AUDIO_LEVEL
-    return round(db)
+    if rms <= 0:
+        return _MIN_AUDIO_LEVEL
+    return round(min(max(20 * math.log10(rms), _MIN_AUDIO_LEVEL), 0))
 
 
 class _PrefetchJitterBuffer(_STOCK_JITTER_BUFFER):
@@ -219,7 +217,9 @@ def apply(audio_prefetch: int = 1) -> None:
         return
     verify()
     # Patch every aiortc module that bound the level function by name, not just aiortc.rtp.
-    sites = [m for m in _aiortc_modules() if vars(m).get("compute_audio_level_dbov") is _STOCK_LEVEL]
+    sites = [
+        m for m in _aiortc_modules() if vars(m).get("compute_audio_level_dbov") is _STOCK_LEVEL
+    ]
     for module in sites:
         module.compute_audio_level_dbov = compute_audio_level_dbov  # type: ignore[attr-defined]
     _state["level_sites"] = sites

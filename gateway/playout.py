@@ -1,0 +1,168 @@
+"""The agent's voice as an aiortc audio track: 20 ms frames on the wall clock, never a gap.
+
+aiortc's sender pulls `recv()` in a loop and sends whatever it gets, so the track itself sets the
+pace: one 960-sample frame (48 kHz mono s16) every 20 ms on an absolute schedule, audio from the
+queue when there is some and silence when there is none. The queue is what barge-in empties:
+`clear()` drops everything not yet returned, so the next frame is already silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import fractions
+import logging
+from collections.abc import Callable
+
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame
+
+__all__ = ["FRAME_SAMPLES", "PLAYOUT_RATE", "PlayoutTrack"]
+
+logger = logging.getLogger(__name__)
+
+PLAYOUT_RATE = 48_000
+FRAME_SAMPLES = 960  # 20 ms, aiortc's audio packetization time
+_TIME_BASE = fractions.Fraction(1, PLAYOUT_RATE)
+
+
+class PlayoutTrack(MediaStreamTrack):
+    """Queue of agent audio played out in real time to one caller.
+
+    Hooks run on the event loop inside `recv()`, right after the frame they concern is handed to
+    the sender (an exception in one is logged, never allowed to stall the audio):
+    - `on_started()`: the first frame with audio after idle (`output_audio_buffer.started`);
+    - `on_stopped()`: the frame that drained the queue went out. A vocoder that falls behind
+      drains it too, so the session should report `output_audio_buffer.stopped` only once the
+      response is done (or enqueue a mark after the last chunk);
+    - `on_mark(mark)`: the last sample of the chunk enqueued with `mark` went out.
+    `clear()` fires none of them: the caller knows it cleared, and dropped marks are discarded.
+    Not thread-safe: enqueue from the event loop (the ring reader threads hop over with
+    `loop.call_soon_threadsafe`).
+    """
+
+    kind = "audio"
+
+    def __init__(
+        self,
+        *,
+        on_started: Callable[[], None] | None = None,
+        on_stopped: Callable[[], None] | None = None,
+        on_mark: Callable[[object], None] | None = None,
+        max_lag_s: float = 0.2,
+    ) -> None:
+        super().__init__()
+        self.on_started = on_started
+        self.on_stopped = on_stopped
+        self.on_mark = on_mark
+        self.max_lag_s = max_lag_s
+        self.played_samples = 0  # audio samples sent, silence not counted
+        self._chunks: collections.deque[tuple[np.ndarray, object | None]] = collections.deque()
+        self._head_offset = 0  # samples of _chunks[0] already sent
+        self._queued = 0
+        self._playing = False
+        self._start: float | None = None
+        self._pts = 0
+        self._silence = np.zeros(FRAME_SAMPLES, np.int16)
+
+    @property
+    def is_playing(self) -> bool:
+        """True from the first audio frame until the queue drains or is cleared."""
+        return self._playing
+
+    @property
+    def queued_samples(self) -> int:
+        """Samples waiting to be played."""
+        return self._queued
+
+    def enqueue(self, pcm48k: np.ndarray, mark: object | None = None) -> None:
+        """Queue 48 kHz mono PCM16 (any length, copied); `mark` is reported once it has played."""
+        pcm = np.array(pcm48k, dtype=np.int16, copy=True).reshape(-1)
+        if len(pcm) == 0 and mark is None:
+            return
+        self._chunks.append((pcm, mark))
+        self._queued += len(pcm)
+
+    def clear(self) -> int:
+        """Drop all queued audio at once (barge-in); return how many samples were dropped."""
+        dropped = self._queued
+        self._chunks.clear()
+        self._head_offset = 0
+        self._queued = 0
+        self._playing = False
+        return dropped
+
+    def stop(self) -> None:
+        self.clear()
+        super().stop()
+
+    async def recv(self) -> AudioFrame:
+        """The next 20 ms frame, at its time on the wall clock."""
+        if self.readyState != "live":
+            raise MediaStreamError
+        await self._wait_for_slot()
+        pcm, played, marks = self._take_frame()
+        frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = PLAYOUT_RATE
+        frame.pts = self._pts
+        frame.time_base = _TIME_BASE
+        self._report(played, marks)
+        return frame
+
+    async def _wait_for_slot(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._start is None:
+            self._start = loop.time()
+            return
+        self._pts += FRAME_SAMPLES
+        due = self._start + self._pts / PLAYOUT_RATE
+        wait = due - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        elif wait < -self.max_lag_s:
+            # The loop stalled (or nobody pulled for a while): move the schedule rather than burst
+            # out the backlog as fast as the sender can take it. pts stays continuous.
+            self._start -= wait
+
+    def _take_frame(self) -> tuple[np.ndarray, int, list[object]]:
+        """(960 samples, how many of them are audio, marks completed by this frame)."""
+        marks: list[object] = []
+        if not self._chunks:
+            return self._silence, 0, marks
+        out = np.zeros(FRAME_SAMPLES, np.int16)
+        filled = 0
+        while self._chunks:
+            chunk, mark = self._chunks[0]
+            take = min(FRAME_SAMPLES - filled, len(chunk) - self._head_offset)
+            out[filled : filled + take] = chunk[self._head_offset : self._head_offset + take]
+            filled += take
+            self._head_offset += take
+            if self._head_offset < len(chunk):
+                break  # the frame is full
+            self._chunks.popleft()
+            self._head_offset = 0
+            if mark is not None:
+                marks.append(mark)
+        self._queued -= filled
+        # A short tail (end of speech, or a vocoder underrun) is padded with silence.
+        return out, filled, marks
+
+    def _report(self, played: int, marks: list[object]) -> None:
+        self.played_samples += played
+        if played and not self._playing:
+            self._playing = True
+            self._call(self.on_started)
+        for mark in marks:
+            self._call(self.on_mark, mark)
+        if self._playing and self._queued == 0:
+            self._playing = False
+            self._call(self.on_stopped)
+
+    def _call(self, hook: Callable[..., None] | None, *args: object) -> None:
+        if hook is None:
+            return
+        try:
+            hook(*args)
+        except Exception:
+            logger.exception("playout hook %r failed", hook)

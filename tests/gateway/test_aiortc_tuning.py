@@ -1,0 +1,251 @@
+"""gateway.aiortc_tuning: same audio levels as aiortc, a loud verify(), lower loopback latency."""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aioice.ice
+import aiortc.rtcrtpreceiver
+import aiortc.rtp
+import numpy as np
+import pytest
+from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection
+from aiortc.codecs.opus import OpusEncoder
+from aiortc.mediastreams import MediaStreamError
+from aiortc.rtcrtpsender import RTCRtpSender
+from av import AudioFrame
+
+from gateway import aiortc_tuning
+
+RATE = 48_000
+FRAME = 960
+
+
+@pytest.fixture
+def stock_aiortc() -> Iterator[None]:
+    """Start from stock aiortc and leave the tuning as it was found."""
+    was_applied, prefetch = aiortc_tuning.applied(), aiortc_tuning.audio_prefetch()
+    aiortc_tuning.restore()
+    yield
+    aiortc_tuning.restore()
+    if was_applied:
+        aiortc_tuning.apply(prefetch)
+
+
+def audio_frame(pcm: np.ndarray, layout: str) -> AudioFrame:
+    frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout=layout)
+    frame.sample_rate = RATE
+    return frame
+
+
+def test_audio_level_matches_aiortc_on_random_frames() -> None:
+    stock = aiortc_tuning._STOCK_LEVEL
+    rng = np.random.default_rng(7)
+    for layout, channels in (("stereo", 2), ("mono", 1)):
+        for _ in range(200):
+            # Levels from digital silence to full scale, so every branch (clamps included) runs.
+            scale = float(rng.choice([0.0, 0.5, 3.0, 100.0, 3000.0, 40000.0]))
+            pcm = np.clip(rng.normal(0, scale, FRAME * channels), -32768, 32767).astype(np.int16)
+            frame = audio_frame(pcm, layout)
+            assert aiortc_tuning.compute_audio_level_dbov(frame) == stock(frame), (layout, scale)
+    full_scale = audio_frame(np.full(FRAME * 2, -32768, np.int16), "stereo")
+    assert aiortc_tuning.compute_audio_level_dbov(full_scale) == stock(full_scale) == 0
+
+
+def test_audio_level_is_faster() -> None:
+    frame = audio_frame(
+        np.random.default_rng(1).integers(-3000, 3000, FRAME * 2, np.int16), "stereo"
+    )
+
+    def per_frame_us(fn: object, repeat: int) -> float:
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn(frame)  # type: ignore[operator]
+        return (time.perf_counter() - start) / repeat * 1e6
+
+    stock = min(per_frame_us(aiortc_tuning._STOCK_LEVEL, 200) for _ in range(3))
+    tuned = min(per_frame_us(aiortc_tuning.compute_audio_level_dbov, 2000) for _ in range(3))
+    print(f"\naudio level per 20 ms stereo frame: stock {stock:.1f} µs, numpy {tuned:.1f} µs")
+    assert tuned < stock
+
+
+def test_apply_is_idempotent_and_restore_undoes_it(stock_aiortc: None) -> None:
+    stock_sender = RTCRtpSender._next_encoded_frame
+    aiortc_tuning.apply()
+    aiortc_tuning.apply(audio_prefetch=3)
+    assert aiortc_tuning.applied() and aiortc_tuning.audio_prefetch() == 3
+    assert aiortc.rtp.compute_audio_level_dbov is aiortc_tuning.compute_audio_level_dbov
+    buffer = aiortc.rtcrtpreceiver.JitterBuffer(capacity=16, prefetch=4)
+    assert buffer._prefetch == 3
+    video = aiortc.rtcrtpreceiver.JitterBuffer(capacity=512, is_video=True)
+    assert video._prefetch == 0
+    aiortc_tuning.restore()
+    assert aiortc.rtp.compute_audio_level_dbov is aiortc_tuning._STOCK_LEVEL
+    assert aiortc.rtcrtpreceiver.JitterBuffer is aiortc_tuning._STOCK_JITTER_BUFFER
+    assert RTCRtpSender._next_encoded_frame is stock_sender
+    with pytest.raises(ValueError, match="audio_prefetch"):
+        aiortc_tuning.apply(-1)
+
+
+def test_verify_passes_on_installed_aiortc() -> None:
+    aiortc_tuning.verify()
+
+
+@pytest.mark.parametrize(
+    ("target", "name"),
+    [
+        (aiortc.rtp, "compute_audio_level_dbov"),
+        (aiortc.rtcrtpreceiver, "JitterBuffer"),
+        (RTCRtpSender, "_next_encoded_frame"),
+        (RTCRtpSender, "kind"),
+    ],
+)
+def test_verify_fails_when_a_patched_internal_is_missing(
+    monkeypatch: pytest.MonkeyPatch, stock_aiortc: None, target: object, name: str
+) -> None:
+    # A context, so the attribute is back before stock_aiortc's teardown re-applies the tuning.
+    with monkeypatch.context() as patch:
+        patch.delattr(target, name)
+        with pytest.raises(aiortc_tuning.AiortcTuningError, match=name):
+            aiortc_tuning.verify()
+        with pytest.raises(aiortc_tuning.AiortcTuningError):
+            aiortc_tuning.apply()
+        assert not aiortc_tuning.applied()
+
+
+def test_verify_fails_when_the_sender_no_longer_uses_the_executor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def rewritten(self: RTCRtpSender, codec: object) -> None:
+        return None
+
+    monkeypatch.setattr(aiortc_tuning, "_STOCK_NEXT_ENCODED_FRAME", rewritten)
+    with pytest.raises(aiortc_tuning.AiortcTuningError, match="run_in_executor"):
+        aiortc_tuning.verify()
+
+
+# --- loopback echo: real aiortc peers, real Opus, over 127.0.0.1 only ---------------------------
+
+
+class ToneBursts(MediaStreamTrack):
+    """48 kHz mono, paced at 20 ms; a 100 ms 1 kHz burst every 400 ms, send times recorded."""
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_at: list[float] = []
+        self._index = 0
+        self._start = 0.0
+        t = np.arange(FRAME * 5) / RATE
+        self._burst = (8000 * np.sin(2 * np.pi * 1000 * t)).astype(np.int16)
+
+    async def recv(self) -> AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        loop = asyncio.get_running_loop()
+        if self._index == 0:
+            self._start = loop.time()
+        else:
+            await asyncio.sleep(self._start + self._index * FRAME / RATE - loop.time())
+        slot = self._index % 20
+        if slot < 5:
+            pcm = self._burst[slot * FRAME : (slot + 1) * FRAME]
+        else:
+            pcm = np.zeros(FRAME, np.int16)
+        if slot == 0:
+            self.sent_at.append(loop.time())
+        frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = (
+            RATE,
+            self._index * FRAME,
+            fractions.Fraction(1, RATE),
+        )
+        self._index += 1
+        return frame
+
+
+class Echo(MediaStreamTrack):
+    """Sends back what a remote track receives."""
+
+    kind = "audio"
+
+    def __init__(self, source: MediaStreamTrack) -> None:
+        super().__init__()
+        self._source = source
+
+    async def recv(self) -> AudioFrame:
+        return await self._source.recv()  # type: ignore[return-value]
+
+
+async def echo_round_trips_ms(bursts: int = 6) -> list[float]:
+    caller = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    echoer = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    source = ToneBursts()
+    caller.addTrack(source)
+    heard_at: list[float] = []
+    heard_all = asyncio.Event()
+    listeners: list[asyncio.Task[None]] = []
+
+    async def listen(track: MediaStreamTrack) -> None:
+        loud = False
+        while len(heard_at) < bursts:
+            frame = await track.recv()
+            pcm = frame.to_ndarray().astype(np.float64)  # type: ignore[union-attr]
+            now_loud = float(np.sqrt((pcm * pcm).mean())) > 1000
+            if now_loud and not loud:
+                heard_at.append(asyncio.get_running_loop().time())
+            loud = now_loud
+        heard_all.set()
+
+    echoer.on("track", lambda track: echoer.addTrack(Echo(track)))
+    caller.on(
+        "track", lambda track: listeners.append(asyncio.create_task(listen(track), name="listen"))
+    )
+    try:
+        await caller.setLocalDescription(await caller.createOffer())
+        await echoer.setRemoteDescription(caller.localDescription)
+        await echoer.setLocalDescription(await echoer.createAnswer())
+        await caller.setRemoteDescription(echoer.localDescription)
+        await asyncio.wait_for(heard_all.wait(), timeout=20)
+    finally:
+        for task in listeners:
+            task.cancel()
+        await asyncio.gather(*listeners, return_exceptions=True)
+        await caller.close()
+        await echoer.close()
+    # Bursts are 400 ms apart and the echo is faster than that: pair each with the last one sent.
+    return [(r - max(s for s in source.sent_at if s < r)) * 1000 for r in heard_at]
+
+
+async def test_loopback_round_trip_drops_with_tuning(
+    monkeypatch: pytest.MonkeyPatch, stock_aiortc: None
+) -> None:
+    # aioice leaves 127.0.0.1 out of its host candidates; offer loopback only, so the test
+    # never leaves the machine.
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4, use_ipv6: ["127.0.0.1"])
+    # Which threads run the Opus encoder: the executor's when stock, the event loop's when tuned.
+    encoder_threads: set[int] = set()
+    stock_encode = OpusEncoder.encode
+
+    def watched_encode(self: OpusEncoder, *args: Any, **kwargs: Any) -> Any:
+        encoder_threads.add(threading.get_ident())
+        return stock_encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(OpusEncoder, "encode", watched_encode)
+    loop_thread = threading.get_ident()
+
+    stock = statistics.median(await echo_round_trips_ms())
+    assert encoder_threads and loop_thread not in encoder_threads
+    encoder_threads.clear()
+    aiortc_tuning.apply(audio_prefetch=1)
+    tuned = statistics.median(await echo_round_trips_ms())
+    assert encoder_threads == {loop_thread}
+    print(f"\nloopback echo round trip (median of 6): stock {stock:.0f} ms, tuned {tuned:.0f} ms")
+    assert tuned < stock
