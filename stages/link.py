@@ -164,6 +164,12 @@ class PipelineLink:
             self._send(stage, session, msg)
         return cancel_id, t
 
+    def rings(self) -> dict[str, Any]:
+        """This end's rings by name ('encoder->gateway', ...), for metrics."""
+        out = {f"{src}->{GATEWAY}": ring for src, ring in self._inputs.items()}
+        out.update({f"{GATEWAY}->{dst}": o.ring for dst, o in self._outputs.items()})
+        return out
+
     def close(self) -> None:
         self._stop.set()
         for t in self._readers:

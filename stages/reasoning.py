@@ -256,7 +256,7 @@ class ReasoningStage(Stage):
             state.response = None
 
     async def _cancel(self, session: int, msg: Cancel) -> None:
-        seq = self.engine.kv_stats_seq()
+        seq, usage = self.engine.kv_stats_seq(), self.engine.kv_usage()
         state = self.sessions.get(session)
         response = state.response if state else None
         if state is not None and response is not None and not response.finished:
@@ -267,7 +267,7 @@ class ReasoningStage(Stage):
         elif state is not None and msg.spoken_text is not None and msg.response_id:
             # the reply had finished generating but was still being spoken
             self._truncate(state, Truncate(msg.response_id, msg.spoken_text))
-        kv = await self.engine.kv_usage_after_abort(seq)
+        kv = await self.engine.kv_usage_after_abort(seq, usage)
         self.ack(session, msg.cancel_id, kv_usage=kv)
 
     def _truncate(self, state: SessionState, msg: Truncate) -> None:

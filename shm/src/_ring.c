@@ -12,8 +12,8 @@
 #include "ring.h"
 
 /* Blocking waits sleep at most this long at a time, to notice a dead peer and to run
- * Python's signal handlers (Ctrl-C) promptly. An idle waiter wakes 10 times a second. */
-#define WAIT_SLICE_NS 100000000LL
+ * Python's signal handlers (Ctrl-C) promptly. An idle waiter wakes 4 times a second. */
+#define WAIT_SLICE_NS 250000000LL
 
 static PyObject *RingError, *SegmentError, *PeerDiedError, *RecordTooLargeError;
 

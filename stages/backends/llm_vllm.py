@@ -358,21 +358,23 @@ class ReasoningEngine:
         """How many scheduler-stats records the engine has sent so far."""
         return self._kv.seq
 
-    async def kv_usage_after_abort(self, seq_before: int, timeout: float = 0.1) -> float:
+    async def kv_usage_after_abort(
+        self, seq_before: int, usage_before: float, timeout: float = 0.1
+    ) -> float:
         """KV usage once an abort sent after stats record `seq_before` has been applied.
 
-        The engine core applies aborts between steps, and stats come once per step: the first
-        record after the abort may come from the step that was already running, so the second
-        one is taken, or the first that shows an empty scheduler (an engine left idle sends
-        one record for the abort itself). Past `timeout` the latest usage is returned.
+        The engine core applies aborts eagerly, within the step in flight, and sends stats once
+        per step. The first record after the abort shows the freed blocks unless it left the
+        core just before the abort arrived; so a record counts if it shows less usage than
+        `usage_before` or an empty scheduler, and otherwise the second record is taken. Past
+        `timeout` the latest usage is returned.
         """
         kv, deadline = self._kv, time.monotonic() + timeout
+        if usage_before == 0.0 and kv.requests == 0:
+            return 0.0  # nothing was held, and an idle engine sends no stats to wait for
         while True:
             seen = kv.seq - seq_before
-            # a record showing an empty scheduler was made after every abort was applied; and
-            # if the latest one before the abort showed it empty, an idle engine sends no more
-            # records and there was nothing to free (waiting would stall the CANCEL_ACK)
-            if seen >= 2 or kv.requests == 0:
+            if seen >= 2 or (seen >= 1 and (kv.usage < usage_before or kv.requests == 0)):
                 return kv.usage
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -139,10 +139,10 @@ async def test_kv_usage_after_abort_with_another_stream_running(engine: Reasonin
         await anext(dropped)
     assert engine.kv_usage() == pytest.approx(2 / 15)
 
-    seq = engine.kv_stats_seq()
+    seq, before = engine.kv_stats_seq(), engine.kv_usage()
     aborted = time.monotonic()
     await engine.abort("dropped-1")
-    usage = await engine.kv_usage_after_abort(seq)
+    usage = await engine.kv_usage_after_abort(seq, before)
     print(f"\nabort -> KV freed (one stream left) {(time.monotonic() - aborted) * 1e3:.2f} ms")
     assert usage == pytest.approx(1 / 15)  # the kept stream's one block
     assert [d async for d in dropped] == []
@@ -152,7 +152,7 @@ async def test_kv_usage_after_abort_with_another_stream_running(engine: Reasonin
     # Idle engine: nothing to free and no stats coming; the answer must not wait for them.
     seq = engine.kv_stats_seq()
     asked = time.monotonic()
-    assert await engine.kv_usage_after_abort(seq, timeout=1.0) == 0.0
+    assert await engine.kv_usage_after_abort(seq, engine.kv_usage(), timeout=1.0) == 0.0
     assert time.monotonic() - asked < 0.05
 
 
