@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
-import signal
 import sys
-import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    start = sub.add_parser("start", help="run the stage workers (and the gateway)")
+    start = sub.add_parser("start", help="run the stage workers and the gateway")
     start.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file (%(default)s)")
     start.add_argument("--host", help="override gateway.host")
     start.add_argument("--port", type=int, help="override gateway.port")
@@ -79,19 +78,16 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_start(args: argparse.Namespace) -> int:
     from gateway.config import load_config
+    from gateway.server import serve
     from stages.supervisor import Supervisor
 
     config = load_config(args.config, _overrides(args))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     supervisor = Supervisor(config, log_level=logging.getLogger().level)
     try:
         _progress(f"starting stages from {args.config}")
         supervisor.start(progress=_progress)
-        _progress("all stages ready; Ctrl-C stops")
-        stop.wait()
-        _progress("stopping")
+        _progress("all stages ready")
+        asyncio.run(serve(config, supervisor, _progress))
     finally:
         supervisor.stop()
     return 0

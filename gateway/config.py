@@ -11,9 +11,34 @@ from pydantic import Field, ValidationError
 from stages.config import PipelineConfig, Strict
 
 
+class TurnDetectionConfig(Strict):
+    """Defaults of OpenAI's server_vad knobs for new calls (session.update changes them)."""
+
+    threshold: float = Field(0.5, ge=0.0, le=1.0)
+    prefix_padding_ms: int = Field(300, ge=0, le=2000)
+    silence_duration_ms: int = Field(500, ge=20, le=5000)
+    create_response: bool = True
+    interrupt_response: bool = True
+
+
 class GatewayConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    max_calls: int = Field(32, ge=1, description="beyond it, new calls get 503 + Retry-After")
+    ice_servers: list[str] = Field(default_factory=list, description="stun:/turn: URLs")
+    ice_host_addresses: list[str] | None = Field(
+        None,
+        description="offer only these host candidates (e.g. [127.0.0.1]); default: all "
+        "interfaces but loopback, as aioice does",
+    )
+    audio_prefetch: int = Field(
+        1,
+        ge=0,
+        le=16,
+        description="jitter-buffer frames before "
+        "playout of caller audio (aiortc's default is 4, ~80 ms)",
+    )
+    turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
 
 
 class OmniConfig(PipelineConfig):

@@ -112,7 +112,7 @@ class ReasoningStage(Stage):
                 pending = asyncio.all_tasks(loop)
                 for task in pending:
                     task.cancel()
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.run_until_complete(_settle(pending))
             finally:
                 loop.close()
 
@@ -279,3 +279,8 @@ class ReasoningStage(Stage):
                 else:
                     state.conversation.messages.remove(m)
                 return
+
+
+async def _settle(tasks: set[asyncio.Task[Any]]) -> None:
+    """Wait for cancelled tasks to finish (gather must run inside the loop that owns them)."""
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,207 @@
+"""A Python WebRTC client for omni-gateway (and the OpenAI Realtime WebRTC shape).
+
+    call = await RealtimeCall.connect("http://127.0.0.1:8080")
+    call.microphone.play(pcm16_48k)            # speak (48 kHz mono PCM16), paced at 20 ms
+    event = await call.next_event("response.done")
+    heard = call.speaker.pcm()                 # what the agent said, as received
+    await call.close()
+
+The load generator and the tests use it. Media runs over aiortc; events arrive on the
+"oai-events" data channel as dicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import fractions
+import json
+import time
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiortc import (
+    MediaStreamTrack,
+    RTCConfiguration,
+    RTCIceServer,
+    RTCPeerConnection,
+    RTCSessionDescription,
+)
+from aiortc.mediastreams import MediaStreamError
+from av import AudioFrame
+
+RATE = 48_000
+FRAME = 960  # 20 ms at 48 kHz
+_TIME_BASE = fractions.Fraction(1, RATE)
+
+
+class Microphone(MediaStreamTrack):
+    """An audio track that sends queued PCM (48 kHz mono int16) in 20 ms frames, silence
+    otherwise, on the wall clock. `sent_at` records when each queued clip started going out."""
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: collections.deque[np.ndarray] = collections.deque()
+        self._pts = 0
+        self._start: float | None = None
+        self.frames_sent = 0
+        self.clip_started: list[float] = []  # monotonic time the first frame of a clip left
+        self._new_clip = False
+        self.send_times: list[float] = []
+
+    def play(self, pcm48k: np.ndarray) -> None:
+        pcm = np.asarray(pcm48k, dtype=np.int16).reshape(-1)
+        pad = (-len(pcm)) % FRAME
+        pcm = np.concatenate([pcm, np.zeros(pad, np.int16)])
+        self._new_clip = True
+        for i in range(0, len(pcm), FRAME):
+            self._queue.append(pcm[i : i + FRAME])
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue)
+
+    async def recv(self) -> AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        loop = asyncio.get_running_loop()
+        if self._start is None:
+            self._start = loop.time()
+        else:
+            self._pts += FRAME
+            wait = self._start + self._pts / RATE - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+        if self._queue:
+            pcm = self._queue.popleft()
+            if self._new_clip:
+                self._new_clip = False
+                self.clip_started.append(time.monotonic())
+        else:
+            pcm = np.zeros(FRAME, np.int16)
+        frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = RATE, self._pts, _TIME_BASE
+        self.frames_sent += 1
+        self.send_times.append(time.monotonic())
+        return frame
+
+
+class Speaker:
+    """Records the agent's audio as it arrives: frames, their arrival times and levels."""
+
+    def __init__(self) -> None:
+        self.frames: list[np.ndarray] = []
+        self.arrivals: list[float] = []
+        self.levels: list[float] = []  # RMS of each frame
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, track: MediaStreamTrack) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(track), name="speaker")
+
+    async def _run(self, track: MediaStreamTrack) -> None:
+        with contextlib.suppress(MediaStreamError):
+            while True:
+                frame = await track.recv()
+                pcm = frame.to_ndarray().reshape(-1)
+                if frame.layout.name == "stereo":
+                    pcm = pcm.reshape(-1, 2).mean(axis=1).astype(np.int16)
+                self.frames.append(pcm)
+                self.arrivals.append(time.monotonic())
+                self.levels.append(float(np.sqrt(np.mean(pcm.astype(np.float64) ** 2))))
+
+    def pcm(self) -> np.ndarray:
+        return np.concatenate(self.frames) if self.frames else np.zeros(0, np.int16)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+class RealtimeCall:
+    """One call to /v1/realtime/calls."""
+
+    def __init__(self, pc: RTCPeerConnection, channel: Any) -> None:
+        self.pc = pc
+        self.channel = channel
+        self.microphone = Microphone()
+        self.speaker = Speaker()
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.history: list[tuple[float, dict[str, Any]]] = []
+        self.call_id: str | None = None
+
+    @classmethod
+    async def connect(
+        cls,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        ice_servers: list[str] | None = None,
+        timeout: float = 20,
+    ) -> RealtimeCall:
+        pc = RTCPeerConnection(
+            RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers or []])
+        )
+        channel = pc.createDataChannel("oai-events")
+        call = cls(pc, channel)
+        pc.addTrack(call.microphone)
+        pc.on("track", lambda track: call.speaker.start(track) if track.kind == "audio" else None)
+        channel.on("message", call._on_message)
+        opened = asyncio.Event()
+        channel.on("open", opened.set)
+        await pc.setLocalDescription(await pc.createOffer())
+        headers = {"Content-Type": "application/sdp"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    f"{base_url.rstrip('/')}/v1/realtime/calls",
+                    data=pc.localDescription.sdp,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                ) as resp,
+            ):
+                text = await resp.text()
+                if resp.status != 201:
+                    raise ConnectionError(f"gateway answered {resp.status}: {text}")
+                call.call_id = resp.headers.get("Location", "").rsplit("/", 1)[-1] or None
+            await pc.setRemoteDescription(RTCSessionDescription(text, "answer"))
+            await asyncio.wait_for(opened.wait(), timeout)
+        except BaseException:
+            await pc.close()
+            raise
+        return call
+
+    def _on_message(self, message: str) -> None:
+        event = json.loads(message)
+        self.history.append((time.monotonic(), event))
+        self.events.put_nowait(event)
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.channel.send(json.dumps(event))
+
+    async def next_event(self, *types: str, timeout: float = 30) -> dict[str, Any]:
+        """The next event of one of `types` (any type if none given); others are skipped.
+        An `error` event raises unless asked for."""
+        async with asyncio.timeout(timeout):
+            while True:
+                event = await self.events.get()
+                if not types or event["type"] in types:
+                    return event
+                if event["type"] == "error":
+                    raise RuntimeError(f"server error: {event['error']}")
+
+    def cancel(self) -> None:
+        self.send({"type": "response.cancel"})
+
+    async def close(self) -> None:
+        self.microphone.stop()
+        await self.speaker.stop()
+        await self.pc.close()

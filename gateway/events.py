@@ -1,0 +1,68 @@
+"""OpenAI Realtime (GA) server events, as JSON-ready dicts."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from typing import Any
+
+_counter = itertools.count(1)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+def event(type_: str, **fields: Any) -> dict[str, Any]:
+    """A server event with a fresh event_id."""
+    return {"type": type_, "event_id": f"event_{next(_counter):08d}", **fields}
+
+
+def error(
+    message: str,
+    *,
+    code: str = "invalid_request_error",
+    param: str | None = None,
+    event_id: str | None = None,
+    type_: str = "invalid_request_error",
+) -> dict[str, Any]:
+    """An `error` event; `event_id` names the client event that caused it."""
+    return event(
+        "error",
+        error={
+            "type": type_,
+            "code": code,
+            "message": message,
+            "param": param,
+            "event_id": event_id,
+        },
+    )
+
+
+def response_obj(
+    response_id: str,
+    status: str,
+    *,
+    output_text: str = "",
+    status_details: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `response` object of response.created and response.done."""
+    return {
+        "object": "realtime.response",
+        "id": response_id,
+        "status": status,
+        "status_details": status_details,
+        "output": (
+            [
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "status": status,
+                    "content": [{"type": "output_audio", "transcript": output_text}],
+                }
+            ]
+            if output_text
+            else []
+        ),
+        "output_modalities": ["audio"],
+    }

@@ -1,0 +1,75 @@
+"""Prometheus metrics of one gateway process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.sessions = Gauge("omni_sessions", "Calls in progress", registry=r)
+        self.sessions_refused = Counter(
+            "omni_sessions_refused", "Calls refused at admission", registry=r
+        )
+        self.turn_latency = Histogram(
+            "omni_turn_latency_seconds",
+            "Caller's end of speech (VAD) to the first agent audio queued for playout",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_audio = Histogram(
+            "omni_time_to_first_audio_seconds",
+            "Response start to its first audio chunk",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cancel_latency = Histogram(
+            "omni_cancel_latency_seconds",
+            "CANCEL to each stage's acknowledgement",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.barge_ins = Counter("omni_barge_ins", "Agent replies cut by the caller", registry=r)
+        self.vad_events = Counter(
+            "omni_vad_events", "Speech starts and stops", ["event"], registry=r
+        )
+        self.ring_bytes_used = Gauge(
+            "omni_ring_bytes_used", "Bytes queued in a ring", ["ring"], registry=r
+        )
+        self.ring_full = Gauge(
+            "omni_ring_full_total", "Pushes refused by a full ring", ["ring"], registry=r
+        )
+        self.ring_skipped = Gauge(
+            "omni_ring_skipped_total",
+            "Records dropped as stale (cancelled epochs)",
+            ["ring"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "omni_vllm_kv_usage", "vLLM KV-cache usage at the last cancel ack", registry=r
+        )
+        self.stage_errors = Counter(
+            "omni_stage_errors", "ERROR records from stages", ["stage"], registry=r
+        )

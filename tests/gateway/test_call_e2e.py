@@ -1,0 +1,307 @@
+"""Calls end to end: aiortc clients over 127.0.0.1, real Opus, the gateway, the three stages
+(pocketsphinx, vLLM on the tiny model, espeak-ng) on real rings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from gateway import aiortc_tuning
+from gateway.app import gateway_of
+from gateway.client import RealtimeCall
+from gateway.config import load_config
+from gateway.ice import restrict_host_addresses
+from gateway.server import build_app, prepare_media
+from loadtest.callers import worst_gap_ms
+from stages.audio import resample
+from stages.supervisor import Supervisor
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+
+OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+SILENT_RMS = 30.0  # Opus silence decodes to a few LSBs
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(
+        OFFLINE,
+        {
+            "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
+            "gateway.max_calls": 12,
+            "gateway.port": 0,
+            "max_sessions": 16,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def supervisor(config) -> Iterator[Supervisor]:
+    with Supervisor(config) as sup:
+        sup.start()
+        yield sup
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(config, supervisor) -> AsyncIterator[tuple[str, web.Application]]:
+    prepare_media(config)
+    app = build_app(config, supervisor)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}", app
+    await runner.cleanup()
+    aiortc_tuning.restore()
+    restrict_host_addresses(None)
+
+
+def speech48k(recording) -> np.ndarray:
+    """The recording at 48 kHz with its leading silence cut, so its first frame is speech."""
+    pcm = recording.pcm16
+    start = int(np.argmax(np.abs(pcm) > 500))
+    return resample(pcm[start:], 16000, 48000)
+
+
+def voiced_frames(call: RealtimeCall, since: float = 0.0) -> list[int]:
+    return [
+        i
+        for i, (t, lvl) in enumerate(zip(call.speaker.arrivals, call.speaker.levels, strict=True))
+        if t >= since and lvl > SILENT_RMS
+    ]
+
+
+async def test_spoken_turn_gets_transcript_and_spoken_reply(server, make_speech) -> None:
+    base, app = server
+    call = await RealtimeCall.connect(base)
+    try:
+        created = await call.next_event("session.created")
+        assert created["session"]["id"] == call.call_id
+        call.microphone.play(speech48k(make_speech("what is the weather like today in paris")))
+        await call.next_event("input_audio_buffer.speech_started", timeout=10)
+        await call.next_event("input_audio_buffer.speech_stopped", timeout=20)
+        done = await call.next_event("conversation.item.input_audio_transcription.completed")
+        assert done["transcript"]
+        created = await call.next_event("response.created")
+        rid = created["response"]["id"]
+        delta = await call.next_event("response.output_audio_transcript.delta")
+        assert delta["response_id"] == rid and delta["delta"]
+        await call.next_event("output_audio_buffer.started")
+        finished = await call.next_event("response.done", timeout=60)
+        assert finished["response"]["status"] == "completed"
+        await call.next_event("output_audio_buffer.stopped", timeout=120)
+
+        # what arrived is speech, and as long as what the gateway says it played
+        session = gateway_of(app).calls[call.call_id]
+        played_s = session.playout.played_samples / 48000
+        voiced = voiced_frames(call)
+        assert played_s > 1.0 and len(voiced) * 0.02 > 0.5 * played_s
+        heard = call.speaker.pcm().astype(np.float64)
+        assert np.sqrt(np.mean(heard[voiced[0] * 960 : (voiced[-1] + 1) * 960] ** 2)) > 300
+    finally:
+        await call.close()
+
+
+async def test_barge_in_stops_the_agent_fast(server, make_speech) -> None:
+    """The caller talks over the agent: time from the caller's first speech frame leaving to
+    the agent's audio stopping in what the caller receives."""
+    base, app = server
+    gateway = gateway_of(app)
+    speech = speech48k(make_speech("stop please I have another question"))
+    call = await RealtimeCall.connect(base)
+    latencies_ms: list[float] = []
+    try:
+        await call.next_event("session.created")
+        call.send({"type": "response.create"})
+        for _ in range(20):
+            await call.next_event("output_audio_buffer.started", timeout=60)
+            # let the agent's voice reach us, then talk over it
+            while len(voiced_frames(call, since=time.monotonic() - 0.1)) < 3:
+                await asyncio.sleep(0.02)  # polling the receiver's frame log
+            n_clips = len(call.microphone.clip_started)
+            call.microphone.play(speech)
+            cleared = await call.next_event("output_audio_buffer.cleared", timeout=10)
+            onset = call.microphone.clip_started[n_clips]
+            # the first frame after which the agent stays silent for 200 ms
+            deadline = time.monotonic() + 5
+            while True:
+                arrivals, levels = call.speaker.arrivals, call.speaker.levels
+                idx = [i for i, t in enumerate(arrivals) if t >= onset]
+                stop = next(
+                    (
+                        i
+                        for i in idx
+                        if all(lv <= SILENT_RMS for lv in levels[i : i + 10])
+                        and len(levels[i : i + 10]) == 10
+                    ),
+                    None,
+                )
+                if stop is not None:
+                    break
+                assert time.monotonic() < deadline, "agent audio never stopped"
+                await asyncio.sleep(0.05)
+            latencies_ms.append((arrivals[stop] - onset) * 1000)
+            assert cleared["response_id"]
+            done = await call.next_event("response.done", timeout=10)
+            assert done["response"]["status"] == "cancelled"
+        p50, p95 = np.percentile(latencies_ms, [50, 95])
+        cancel = gateway.metrics.cancel_latency
+        print(
+            f"\nbarge-in at the client over {len(latencies_ms)} trials: p50 {p50:.0f} ms, "
+            f"p95 {p95:.0f} ms, max {max(latencies_ms):.0f} ms"
+        )
+        for stage in ("encoder", "reasoning", "vocoder"):
+            total, count = _sum_count(cancel, stage)
+            print(f"  server cancel ack mean {stage}: {1000 * total / max(1, count):.1f} ms")
+        assert p95 < 300, f"barge-in p95 {p95:.0f} ms"
+    finally:
+        await call.close()
+
+
+def _sum_count(histogram, stage: str) -> tuple[float, float]:
+    found = {
+        s.name.rsplit("_", 1)[-1]: s.value
+        for metric in histogram.collect()
+        for s in metric.samples
+        if s.labels.get("stage") == stage
+    }
+    return found.get("sum", 0.0), found.get("count", 0.0)
+
+
+def _callers_process(base: str, n: int, speech: np.ndarray, conn) -> None:
+    from loadtest.callers import run_callers
+
+    conn.send(run_callers(base, n, speech))
+
+
+async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> None:
+    """Ten callers from another process speak at once; all hear the agent. Audio gaps in both
+    directions are measured and printed (the target, none over 60 ms, is not met yet)."""
+    base, app = server
+    gateway = gateway_of(app)
+    speech = speech48k(make_speech("tell me something nice"))
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_callers_process, args=(base, 10, speech, child))
+    proc.start()
+    frame_log: dict[str, list[float]] = {}
+
+    async def snapshot_server_frames() -> None:
+        while True:  # the calls vanish when the callers hang up: keep copies as they run
+            for cid, call in list(gateway.calls.items()):
+                frame_log[cid] = list(call.frame_arrivals)
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(snapshot_server_frames())
+    try:
+        # serve the calls on this loop while the callers run; collect the server's view
+        ready = await asyncio.to_thread(parent.poll, 240)
+        assert ready, "the callers' process produced no report"
+        report = parent.recv()
+    finally:
+        watcher.cancel()
+        await asyncio.to_thread(proc.join, 30)
+        if proc.is_alive():
+            proc.kill()
+    assert all(report["replied"]), f"callers without a reply: {report['replied']}"
+    start, end = report["window"]
+    gaps_in = [
+        worst_gap_ms(frame_log[cid], start, end) for cid in report["call_ids"] if cid in frame_log
+    ]
+    print(
+        f"\n10 callers: replies after {report['reply_wait_s']:.1f} s; worst inter-frame "
+        f"interval received by callers {max(report['worst_gap_in_ms']):.0f} ms, by the "
+        f"gateway {max(gaps_in, default=float('nan')):.0f} ms"
+    )
+    # every caller heard the agent's voice; the gap target is reported, not yet reached on a
+    # 2-core machine that also runs the callers, pocketsphinx, vLLM and espeak-ng
+    assert min(report["voiced_frames"]) > 0
+
+
+async def test_bad_requests_get_4xx_and_other_calls_go_on(server) -> None:
+    base, _ = server
+    bystander = await RealtimeCall.connect(base)
+    try:
+        await bystander.next_event("session.created")
+        async with aiohttp.ClientSession() as http:
+            url = f"{base}/v1/realtime/calls"
+            async with http.post(
+                url, data="v=0\r\nnot sdp", headers={"Content-Type": "application/sdp"}
+            ) as r:
+                assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_sdp"
+            async with http.post(url, data="{}", headers={"Content-Type": "text/plain"}) as r:
+                assert r.status == 415
+            async with http.post(
+                url, data=b"v=0\r\n" * 40000, headers={"Content-Type": "application/sdp"}
+            ) as r:
+                assert r.status == 413
+            async with http.post(
+                f"{base}/offer", data="{nope", headers={"Content-Type": "application/json"}
+            ) as r:
+                assert r.status == 400
+            async with http.get(f"{base}/health") as r:
+                assert r.status == 200 and (await r.json())["status"] == "ready"
+            async with http.get(f"{base}/metrics") as r:
+                text = await r.text()
+                assert "omni_sessions" in text and "omni_ring_bytes_used" in text
+        bystander.channel.send("{not json")
+        err = await bystander.next_event("error")
+        assert err["error"]["code"] == "invalid_json"
+        bystander.send({"type": "no.such.event", "event_id": "evt_42"})
+        err = await bystander.next_event("error")
+        assert err["error"]["event_id"] == "evt_42" and err["error"]["code"] == "unknown_event"
+        # the bystander's call still works
+        bystander.send({"type": "response.create"})
+        assert (await bystander.next_event("response.created"))["response"]["id"]
+    finally:
+        await bystander.close()
+
+
+async def test_admission_refuses_beyond_max_calls(server) -> None:
+    base, app = server
+    gateway = gateway_of(app)
+    deadline = time.monotonic() + 30
+    while gateway.calls:  # calls of earlier tests are torn down when their peers notice
+        assert time.monotonic() < deadline, f"calls left over: {list(gateway.calls)}"
+        await asyncio.sleep(0.1)
+    calls = [await RealtimeCall.connect(base) for _ in range(gateway.config.gateway.max_calls)]
+    try:
+        with pytest.raises(ConnectionError, match="503"):
+            await RealtimeCall.connect(base)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"{base}/v1/realtime/calls", data="v=0", headers={"Content-Type": "application/sdp"}
+            ) as r,
+        ):
+            assert r.status == 503 and r.headers["Retry-After"]
+            assert json.loads(await r.text())["error"]["code"] == "capacity"
+    finally:
+        await asyncio.gather(*(c.close() for c in calls))
+
+
+async def test_hang_up_frees_the_session(server) -> None:
+    base, app = server
+    gateway = gateway_of(app)
+    call = await RealtimeCall.connect(base)
+    await call.next_event("session.created")
+    session = gateway.calls[call.call_id].session
+    assert gateway.link.control.holder(session)
+    call.send({"type": "response.create"})
+    await call.next_event("response.created")
+    await call.close()
+    deadline = time.monotonic() + 10
+    while call.call_id in gateway.calls or gateway.link.control.holder(session):
+        assert time.monotonic() < deadline, "the hung-up call was never torn down"
+        await asyncio.sleep(0.05)  # polling the gateway's bookkeeping
