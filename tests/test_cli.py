@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,10 +155,13 @@ def test_say_file_writes_the_spoken_reply(tmp_path: Path, make_speech) -> None:
 
 
 @pytest.mark.slow
-def test_start_runs_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
+def test_start_serves_a_call_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
     before = set(shm.list_segments())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [*CLI, "start", "--config", str(OFFLINE)],
+        [*CLI, "start", "--config", str(OFFLINE), "--port", str(port)],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -167,12 +172,13 @@ def test_start_runs_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
         seen = []
         for line in proc.stderr:
             seen.append(line)
-            if "all stages ready" in line:
+            if "gateway listening" in line:
                 break
         else:
             pytest.fail("start never became ready:\n" + "".join(seen[-30:]))
         assert any("loading models" in line or "ready in" in line for line in seen)
         assert len(set(shm.list_segments()) - before) == 9  # control + 8 rings
+        assert asyncio.run(_one_call(f"http://127.0.0.1:{port}")) == "session.created"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
@@ -182,3 +188,18 @@ def test_start_runs_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
         proc.wait()
     assert_group_gone(proc.pid)
     assert set(shm.list_segments()) == before
+
+
+async def _one_call(base: str) -> str:
+    from gateway.client import RealtimeCall
+    from gateway.ice import restrict_host_addresses
+
+    restrict_host_addresses(["127.0.0.1"])
+    try:
+        call = await RealtimeCall.connect(base)
+        try:
+            return (await call.next_event("session.created"))["type"]
+        finally:
+            await call.close()
+    finally:
+        restrict_host_addresses(None)
