@@ -155,27 +155,33 @@ static PyObject *control_new(const char *name, uint32_t max_sessions, int create
     return (PyObject *)self;
 }
 
-static PyObject *Control_epoch(ControlObject *self, PyObject *arg) {
-    unsigned long session = PyLong_AsUnsignedLong(arg);
-    uint32_t epoch;
-    if ((session == (unsigned long)-1 && PyErr_Occurred()) || control_check(self) < 0)
-        return NULL;
-    if (session > UINT32_MAX || og_control_epoch(self->shared, (uint32_t)session, &epoch)) {
-        return PyErr_Format(PyExc_ValueError, "session %lu is outside control segment %s "
-                            "(max_sessions=%u)", session, self->name, self->shared->max_sessions);
+/* Parse a session id argument against the segment; -1 with an exception when it is bad. */
+static int session_arg(ControlObject *self, PyObject *arg, uint32_t *session) {
+    unsigned long value = PyLong_AsUnsignedLong(arg);
+    if ((value == (unsigned long)-1 && PyErr_Occurred()) || control_check(self) < 0)
+        return -1;
+    if (value >= self->shared->max_sessions) {
+        PyErr_Format(PyExc_ValueError, "session %lu is outside control segment %s "
+                     "(max_sessions=%u)", value, self->name, self->shared->max_sessions);
+        return -1;
     }
+    *session = (uint32_t)value;
+    return 0;
+}
+
+static PyObject *Control_epoch(ControlObject *self, PyObject *arg) {
+    uint32_t session, epoch;
+    if (session_arg(self, arg, &session) < 0)
+        return NULL;
+    og_control_epoch(self->shared, session, &epoch);
     return PyLong_FromUnsignedLong(epoch);
 }
 
 static PyObject *Control_cancel(ControlObject *self, PyObject *arg) {
-    unsigned long session = PyLong_AsUnsignedLong(arg);
-    uint32_t epoch;
-    if ((session == (unsigned long)-1 && PyErr_Occurred()) || control_check(self) < 0)
+    uint32_t session, epoch;
+    if (session_arg(self, arg, &session) < 0)
         return NULL;
-    if (session > UINT32_MAX || og_control_cancel(self->shared, (uint32_t)session, &epoch)) {
-        return PyErr_Format(PyExc_ValueError, "session %lu is outside control segment %s "
-                            "(max_sessions=%u)", session, self->name, self->shared->max_sessions);
-    }
+    og_control_cancel(self->shared, session, &epoch);
     return PyLong_FromUnsignedLong(epoch);
 }
 
@@ -189,25 +195,19 @@ static PyObject *Control_claim(ControlObject *self, PyObject *unused) {
 }
 
 static PyObject *Control_release(ControlObject *self, PyObject *arg) {
-    unsigned long session = PyLong_AsUnsignedLong(arg);
-    if ((session == (unsigned long)-1 && PyErr_Occurred()) || control_check(self) < 0)
+    uint32_t session;
+    if (session_arg(self, arg, &session) < 0)
         return NULL;
-    if (session > UINT32_MAX || og_control_release(self->shared, (uint32_t)session)) {
-        return PyErr_Format(PyExc_ValueError, "session %lu is outside control segment %s "
-                            "(max_sessions=%u)", session, self->name, self->shared->max_sessions);
-    }
+    og_control_release(self->shared, session);
     Py_RETURN_NONE;
 }
 
 static PyObject *Control_holder(ControlObject *self, PyObject *arg) {
-    unsigned long session = PyLong_AsUnsignedLong(arg);
+    uint32_t session;
     int32_t pid;
-    if ((session == (unsigned long)-1 && PyErr_Occurred()) || control_check(self) < 0)
+    if (session_arg(self, arg, &session) < 0)
         return NULL;
-    if (session > UINT32_MAX || og_control_holder(self->shared, (uint32_t)session, &pid)) {
-        return PyErr_Format(PyExc_ValueError, "session %lu is outside control segment %s "
-                            "(max_sessions=%u)", session, self->name, self->shared->max_sessions);
-    }
+    og_control_holder(self->shared, session, &pid);
     return PyLong_FromLong(pid);
 }
 
