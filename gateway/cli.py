@@ -100,7 +100,8 @@ def cmd_say_file(args: argparse.Namespace) -> int:
     from stages.link import EventQueues, PipelineLink
     from stages.supervisor import Supervisor
 
-    config = load_config(args.config)
+    # nobody listens in real time here: let the vocoder synthesize as fast as it can
+    config = load_config(args.config, {"vocoder.max_lead_ms": 600_000})
     pcm, rate = read_wav(args.wav)
     pcm16k = resample(pcm, rate, 16000)
     with Supervisor(config, log_level=logging.getLogger().level) as supervisor:

@@ -37,6 +37,16 @@ FRAME_SAMPLES_16K = 320  # 20 ms at 16 kHz
 MAX_EVENT_BYTES = 256 * 1024
 
 
+class CallLog(logging.LoggerAdapter):
+    """Log lines of one call carry its call id and pipeline session, as text and as record
+    attributes (`call`, `session`) for structured handlers."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = self.extra or {}
+        kwargs["extra"] = {**extra, **kwargs.get("extra", {})}
+        return f"[call={extra.get('call')} session={extra.get('session')}] {msg}", kwargs
+
+
 @dataclass
 class TurnSettings:
     """OpenAI's server_vad knobs."""
@@ -81,7 +91,7 @@ class CallSession:
         self.metrics = metrics
         self.settings = settings
         self.on_closed = on_closed
-        self.log = logging.LoggerAdapter(logger, {"call": call_id, "session": session})
+        self.log = CallLog(logger, {"call": call_id, "session": session})
         self.vad = TurnDetector(
             settings.threshold, settings.prefix_padding_ms, settings.silence_duration_ms
         )
@@ -103,6 +113,7 @@ class CallSession:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.audio_in_frames = 0
         self.frame_arrivals: collections.deque[float] = collections.deque(maxlen=3000)
+        self.interrupted_at: collections.deque[float] = collections.deque(maxlen=100)
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -212,6 +223,7 @@ class CallSession:
             return
         self.response = None
         self.playout.clear()
+        self.interrupted_at.append(time.monotonic())
         heard = response.tracker.heard(self._heard_samples(response))
         cancel_id, t = self.link.cancel(self.session, response.response_id, heard, reason)
         self.cancels[cancel_id] = t

@@ -58,6 +58,9 @@ class VocoderConfig(Strict):
         description="start speaking after this many words when no phrase boundary came yet",
     )
     max_phrase_words: int = Field(20, ge=2, le=200)
+    max_lead_ms: int = Field(
+        2000, ge=100, le=600_000, description="how far synthesis may run ahead of playback"
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
 
     @model_validator(mode="after")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,15 @@ class Reply:
     response_id: str
     epoch: int
     splitter: PhraseSplitter
+    pending: collections.deque[str] = field(default_factory=collections.deque)
     spoken: list[str] = field(default_factory=list)
+    samples: int = 0  # synthesized so far
+    started: float | None = None  # monotonic time of its first audio
+    done_status: str | None = None  # set once the reply's text is complete
+
+    def lead_s(self, now: float, rate: int) -> float:
+        """How far synthesis runs ahead of real-time playback of this reply."""
+        return 0.0 if self.started is None else self.samples / rate - (now - self.started)
 
 
 class VocoderStage(QueuedStage):
@@ -70,21 +79,45 @@ class VocoderStage(QueuedStage):
         elif item.kind is Kind.TEXT_DELTA:
             reply = self._reply_for(item)
             if reply is not None:
-                for phrase in reply.splitter.feed(item.msg.text):
-                    self._speak(s, reply, phrase)
+                reply.pending.extend(reply.splitter.feed(item.msg.text))
         elif item.kind is Kind.RESPONSE_DONE:
             reply = self._reply_for(item)
             if reply is not None:
                 if rest := reply.splitter.flush():
-                    self._speak(s, reply, rest)
-                del self.replies[s]
-                status = "completed" if item.msg.status == "completed" else item.msg.status
-                self.send(GATEWAY, s, AudioDone(reply.response_id, status), epoch=reply.epoch)
+                    reply.pending.append(rest)
+                reply.done_status = item.msg.status
         elif item.kind is Kind.CANCEL:
             self.replies.pop(s, None)
             self.ack(s, item.msg.cancel_id)
         elif item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
             self.replies.pop(s, None)
+
+    def pump(self) -> float | None:
+        """Speak the next phrase of the reply that is least far ahead of its playback.
+
+        Synthesis stays at most `max_lead_ms` ahead of real time: a reply is not turned into a
+        minute of audio in one burst, which would hold up every other session (and the
+        gateway's event loop), only for most of it to be thrown away at a barge-in.
+        """
+        now, rate = time.monotonic(), self.voice.sample_rate
+        max_lead = self.config.vocoder.max_lead_ms / 1000
+        for session, reply in list(self.replies.items()):
+            if not reply.pending and reply.done_status is not None:
+                del self.replies[session]
+                self.send(
+                    GATEWAY,
+                    session,
+                    AudioDone(reply.response_id, reply.done_status),
+                    epoch=reply.epoch,
+                )
+        ready = [(r.lead_s(now, rate), s, r) for s, r in self.replies.items() if r.pending]
+        if not ready:
+            return None
+        lead, session, reply = min(ready, key=lambda t: t[0])
+        if lead >= max_lead:
+            return lead - max_lead
+        self._speak(session, reply, reply.pending.popleft())
+        return 0.0
 
     def _reply_for(self, item: Inbound) -> Reply | None:
         reply = self.replies.get(item.session)
@@ -105,6 +138,9 @@ class VocoderStage(QueuedStage):
                     if self.control.epoch(session) != reply.epoch:
                         return  # cancelled mid-phrase: the CANCEL in the inbox acks it
                     audio.push(session, Kind.AUDIO_OUT, piece.tobytes(), epoch=reply.epoch)
+                    if reply.started is None:
+                        reply.started = time.monotonic()
+                    reply.samples += len(piece)
         finally:
             close = getattr(chunks, "close", None)
             if close is not None:

@@ -159,20 +159,27 @@ class QueuedStage(Stage):
         self.inbox.put((0 if item.kind in self.URGENT else 1, next(self._order), item))
 
     def run(self) -> None:
+        timeout = POP_TIMEOUT_S
         while not self.stop.is_set():
             try:
-                _, _, item = self.inbox.get(timeout=POP_TIMEOUT_S)
+                _, _, item = self.inbox.get(timeout=timeout)
             except queue.Empty:
-                continue
-            if self.is_stale(item):
-                continue
-            try:
-                self.handle(item)
-            except Exception as exc:  # this session's turn fails; the others go on
-                logger.exception(
-                    "%s: %s for session %d failed", self.name, item.kind.name, item.session
-                )
-                self.error(item.session, "internal_error", f"{type(exc).__name__}: {exc}")
+                item = None
+            if item is not None and not self.is_stale(item):
+                try:
+                    self.handle(item)
+                except Exception as exc:  # this session's turn fails; the others go on
+                    logger.exception(
+                        "%s: %s for session %d failed", self.name, item.kind.name, item.session
+                    )
+                    self.error(item.session, "internal_error", f"{type(exc).__name__}: {exc}")
+            next_in = self.pump()
+            timeout = POP_TIMEOUT_S if next_in is None else min(max(next_in, 0.0), POP_TIMEOUT_S)
+
+    def pump(self) -> float | None:
+        """Work that is not driven by a record (pacing): do a slice of it; return in how many
+        seconds to come back (0: at once), or None when there is none."""
+        return None
 
     def handle(self, item: Inbound) -> None:
         raise NotImplementedError

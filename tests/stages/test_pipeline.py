@@ -37,7 +37,13 @@ def restarted() -> threading.Event:
 def supervisor(restarted: threading.Event) -> Iterator[Supervisor]:
     # long replies (ignore_eos) so that there is always a reply in flight to cancel
     config = load_config(
-        OFFLINE, {"reasoning.sampling": {"max_tokens": 160, "ignore_eos": True}, "max_sessions": 16}
+        OFFLINE,
+        {
+            "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
+            "max_sessions": 16,
+            # no real-time listener here: synthesize without pacing
+            "vocoder.max_lead_ms": 600_000,
+        },
     )
     sup = Supervisor(config, on_restart=lambda stage, n: restarted.set())
     sup.start()
