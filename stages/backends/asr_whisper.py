@@ -30,6 +30,7 @@ from stages.backends.speech import (
     resolve_model_path,
     warn_if_random_weights,
 )
+from stages.backends.speech import torch_device as load_device
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +92,7 @@ def load_whisper(
         raise SpeechOptionError(f"whisper option max_new_tokens={max_new_tokens!r} must be >= 1")
     if task not in ("transcribe", "translate"):
         raise SpeechOptionError(f"whisper option task={task!r} must be 'transcribe' or 'translate'")
-    torch_device = _torch_device(device)
+    torch_device = load_device(device, "whisper")
     torch_dtype = _torch_dtype(dtype, torch_device)
     if num_threads is not None:
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -128,18 +129,6 @@ def load_whisper(
         time.perf_counter() - started,
     )
     return recognizer
-
-
-def _torch_device(device: str) -> torch.device:
-    import torch
-
-    try:
-        torch_device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise SpeechOptionError(f"whisper option device={device!r}: {exc}") from exc
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise SpeechOptionError(f"whisper option device={device!r}: CUDA is not available here")
-    return torch_device
 
 
 def _torch_dtype(dtype: str | None, device: torch.device) -> torch.dtype:

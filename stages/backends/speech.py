@@ -12,9 +12,12 @@ import difflib
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 from stages.backends.tiny_chat_model import has_random_weights
 
@@ -168,3 +171,16 @@ def split_pcm16(
     step = max_chunk_samples(sample_rate, max_ms)
     for start in range(0, len(pcm16), step):
         yield pcm16[start : start + step]
+
+
+def torch_device(device: str, backend: str) -> torch.device:
+    """``device`` as a torch device, refusing one this machine does not have."""
+    import torch
+
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise SpeechOptionError(f"{backend} option device={device!r}: {exc}") from exc
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise SpeechOptionError(f"{backend} option device={device!r}: CUDA is not available here")
+    return found

@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -65,24 +65,30 @@ def has_random_weights(folder: Path) -> bool:
 
 
 def ensure_tiny_chat_model(folder: Path | None = None) -> Path:
-    """Build the tiny chat model into ``folder`` unless a finished build is already there.
-
-    The build goes into a temporary sibling folder that is renamed into place once complete, so a
-    crash never leaves a folder that looks finished, and concurrent builders do not clash.
-    Returns the folder.
-    """
+    """Build the tiny chat model into ``folder`` unless a finished build is already there."""
     folder = Path(folder) if folder is not None else default_cache_folder()
-    folder = folder.expanduser().absolute()
+    return build_once(folder, _build, "chat")
+
+
+def build_once(folder: Path, build: Callable[[Path], None], what: str) -> Path:
+    """Run ``build(staging)`` unless ``folder`` holds a finished build; return the folder.
+
+    The build goes into a temporary sibling folder that is marked complete and renamed into
+    place at the end, so a crash never leaves a folder that looks finished, and concurrent
+    builders do not clash.
+    """
+    folder = Path(folder).expanduser().absolute()
     if is_complete(folder):
         return folder
     if folder.exists():
-        logger.warning("rebuilding unfinished tiny chat model folder %s", folder)
+        logger.warning("rebuilding unfinished tiny %s model folder %s", what, folder)
         shutil.rmtree(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the model folder is not a secret
     try:
-        _build(staging)
+        build(staging)
+        (staging / COMPLETE_MARKER).write_text("ok\n")
         try:
             staging.rename(folder)
         except OSError:
@@ -91,7 +97,7 @@ def ensure_tiny_chat_model(folder: Path | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("built tiny chat model (random weights) in %s", folder)
+    logger.info("built tiny %s model (random weights) in %s", what, folder)
     return folder
 
 
@@ -158,4 +164,3 @@ def _build(folder: Path) -> None:
     (folder / RANDOM_WEIGHTS_MARKER).write_text(
         "This model has random weights: it was built offline for tests and its output is noise.\n"
     )
-    (folder / COMPLETE_MARKER).write_text("ok\n")

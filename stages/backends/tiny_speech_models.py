@@ -16,14 +16,12 @@ import io
 import json
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from stages.backends.tiny_chat_model import COMPLETE_MARKER, RANDOM_WEIGHTS_MARKER, is_complete
+from stages.backends.tiny_chat_model import RANDOM_WEIGHTS_MARKER, build_once
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -95,38 +93,15 @@ def default_cache_folder(name: str) -> Path:
 
 def ensure_tiny_whisper(folder: Path | None = None) -> Path:
     """Build a tiny random Whisper (model, tokenizer, feature extractor) unless already built."""
-    return _ensure(folder or default_cache_folder("tiny-whisper"), _build_whisper, "whisper")
+    return build_once(folder or default_cache_folder("tiny-whisper"), _build_whisper, "whisper")
 
 
 def ensure_tiny_speecht5(folder: Path | None = None) -> TinySpeechT5:
     """Build a tiny random SpeechT5 (model + processor) and HiFi-GAN (in ``vocoder/``)."""
-    folder = _ensure(folder or default_cache_folder("tiny-speecht5"), _build_speecht5, "speecht5")
+    folder = build_once(
+        folder or default_cache_folder("tiny-speecht5"), _build_speecht5, "speecht5"
+    )
     return TinySpeechT5(model=folder, vocoder=folder / "vocoder")
-
-
-def _ensure(folder: Path, build: Callable[[Path], None], what: str) -> Path:
-    folder = Path(folder).expanduser().absolute()
-    if is_complete(folder):
-        return folder
-    if folder.exists():
-        logger.warning("rebuilding unfinished tiny %s folder %s", what, folder)
-        shutil.rmtree(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the model folder is not a secret
-    try:
-        build(staging)
-        (staging / COMPLETE_MARKER).write_text("ok\n")
-        try:
-            staging.rename(folder)
-        except OSError:
-            # Another process finished first; its build is as good as ours.
-            if not is_complete(folder):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    logger.info("built tiny %s model (random weights) in %s", what, folder)
-    return folder
 
 
 def _training_text(paragraphs: int = 400) -> Iterator[str]:

@@ -31,6 +31,7 @@ from stages.backends.speech import (
     split_pcm16,
     warn_if_random_weights,
 )
+from stages.backends.speech import torch_device as load_device
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +93,7 @@ def load_speecht5(
         )
     if isinstance(chunk_ms, bool) or not isinstance(chunk_ms, int) or not 10 <= chunk_ms <= 100:
         raise SpeechOptionError(f"speecht5 option chunk_ms={chunk_ms!r} must be an int in 10..100")
-    torch_device = _torch_device(device)
+    torch_device = load_device(device, "speecht5")
     torch_dtype = _torch_dtype(dtype)
     if num_threads is not None:
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -176,18 +177,6 @@ def _check_number(option: str, value: Any, low: float, high: float) -> None:
         raise SpeechOptionError(
             f"speecht5 option {option}={value!r} must be a number in {low}..{high}"
         )
-
-
-def _torch_device(device: str) -> torch.device:
-    import torch
-
-    try:
-        torch_device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise SpeechOptionError(f"speecht5 option device={device!r}: {exc}") from exc
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise SpeechOptionError(f"speecht5 option device={device!r}: CUDA is not available here")
-    return torch_device
 
 
 def _torch_dtype(dtype: str | None) -> torch.dtype:
