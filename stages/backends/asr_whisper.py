@@ -28,6 +28,7 @@ from stages.backends.speech import (
     pcm16_to_float,
     reject_unknown_options,
     resolve_model_path,
+    set_torch_threads,
     warn_if_random_weights,
 )
 from stages.backends.speech import torch_device as load_device
@@ -62,7 +63,6 @@ def load_whisper(
     threads of this process (process-wide). ``warmup``: run one decode now so the first turn is not
     slow.
     """
-    import torch
 
     reject_unknown_options(
         "whisper",
@@ -94,10 +94,7 @@ def load_whisper(
         raise SpeechOptionError(f"whisper option task={task!r} must be 'transcribe' or 'translate'")
     torch_device = load_device(device, "whisper")
     torch_dtype = _torch_dtype(dtype, torch_device)
-    if num_threads is not None:
-        if not isinstance(num_threads, int) or num_threads < 1:
-            raise SpeechOptionError(f"whisper option num_threads={num_threads!r} must be >= 1")
-        torch.set_num_threads(num_threads)
+    set_torch_threads(num_threads, "whisper")
 
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 

@@ -184,3 +184,14 @@ def torch_device(device: str, backend: str) -> torch.device:
     if found.type == "cuda" and not torch.cuda.is_available():
         raise SpeechOptionError(f"{backend} option device={device!r}: CUDA is not available here")
     return found
+
+
+def set_torch_threads(num_threads: int | None, backend: str) -> None:
+    """Set torch's intra-op threads for the process (None leaves torch's default)."""
+    if num_threads is None:
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise SpeechOptionError(f"{backend} option num_threads={num_threads!r} must be >= 1")
+    import torch
+
+    torch.set_num_threads(num_threads)

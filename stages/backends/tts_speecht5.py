@@ -28,6 +28,7 @@ from stages.backends.speech import (
     load_error,
     reject_unknown_options,
     resolve_model_path,
+    set_torch_threads,
     split_pcm16,
     warn_if_random_weights,
 )
@@ -65,7 +66,6 @@ def load_speecht5(
     input token). ``chunk_ms``: the longest chunk yielded. ``num_threads``: torch intra-op threads
     of this process (process-wide). ``warmup``: speak one word now so the first phrase is not slow.
     """
-    import torch
 
     reject_unknown_options(
         "speecht5",
@@ -95,10 +95,7 @@ def load_speecht5(
         raise SpeechOptionError(f"speecht5 option chunk_ms={chunk_ms!r} must be an int in 10..100")
     torch_device = load_device(device, "speecht5")
     torch_dtype = _torch_dtype(dtype)
-    if num_threads is not None:
-        if not isinstance(num_threads, int) or num_threads < 1:
-            raise SpeechOptionError(f"speecht5 option num_threads={num_threads!r} must be >= 1")
-        torch.set_num_threads(num_threads)
+    set_torch_threads(num_threads, "speecht5")
 
     from transformers import SpeechT5ForTextToSpeech, SpeechT5HifiGan, SpeechT5Processor
 
