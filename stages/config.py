@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TINY_CHAT_MODEL = "builtin:tiny-chat"
 """Reasoning model id for the random-weight chat model built locally on first use."""
@@ -14,12 +14,67 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EncoderConfig(Strict):
+GPUS_DESCRIPTION = (
+    "GPUs this stage's process sees (its CUDA_VISIBLE_DEVICES), as indices of the GPUs the "
+    "supervisor sees; unset: all of them; []: none"
+)
+
+
+def _check_gpus(gpus: list[int] | None) -> list[int] | None:
+    if gpus is not None:
+        if any(g < 0 for g in gpus):
+            raise ValueError(f"GPU indices are >= 0, got {gpus}")
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"a GPU is listed twice in {gpus}")
+    return gpus
+
+
+class TorchStageConfig(Strict):
+    """Where a torch stage (encoder, vocoder) runs: `device` is a torch device inside the
+    process, so with `gpus: [3]` the stage's `cuda` (cuda:0) is the machine's GPU 3."""
+
+    device: str = "cpu"
+    gpus: list[int] | None = Field(None, description=GPUS_DESCRIPTION)
+    gpu_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="cap on this process's share of its GPU's memory"
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _valid_gpus(cls, gpus: list[int] | None) -> list[int] | None:
+        return _check_gpus(gpus)
+
+    @property
+    def cuda_index(self) -> int | None:
+        """The device's index among the GPUs the process sees, or None on the CPU."""
+        kind, _, index = self.device.partition(":")
+        return (int(index) if index else 0) if kind == "cuda" else None
+
+    @model_validator(mode="after")
+    def _device_fits_gpus(self) -> TorchStageConfig:
+        kind, _, index = self.device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+            raise ValueError(f"device {self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+        if kind == "cpu" and self.gpus:
+            raise ValueError(f"gpus {self.gpus} is set but device is 'cpu'")
+        if kind == "cpu" and self.gpu_memory_fraction is not None:
+            raise ValueError("gpu_memory_fraction is set but device is 'cpu'")
+        if self.gpus is not None and self.cuda_index is not None:
+            if not self.gpus:
+                raise ValueError(f"device {self.device!r} but gpus is [] (no GPU visible)")
+            if self.cuda_index >= len(self.gpus):
+                raise ValueError(
+                    f"device {self.device!r} is past the {len(self.gpus)} GPU(s) of gpus "
+                    f"{self.gpus} (the process numbers them from cuda:0)"
+                )
+        return self
+
+
+class EncoderConfig(TorchStageConfig):
     """Speech recognition: `pocketsphinx` (offline, model in its wheel) or `whisper`."""
 
     backend: Literal["pocketsphinx", "whisper"] = "pocketsphinx"
     model: str | None = Field(None, description="whisper: a Hugging Face id or a local folder")
-    device: str = "cpu"
     partial_interval_ms: int = Field(600, ge=0, le=10_000)
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
 
@@ -40,9 +95,38 @@ class ReasoningConfig(Strict):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=lambda: {"max_tokens": 64})
     max_history_messages: int = Field(40, ge=2)
+    gpus: list[int] | None = Field(
+        None,
+        description=GPUS_DESCRIPTION + "; as many as tensor_parallel_size x pipeline_parallel_size",
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _valid_gpus(cls, gpus: list[int] | None) -> list[int] | None:
+        return _check_gpus(gpus)
+
+    @property
+    def parallel_size(self) -> int:
+        """GPUs the engine runs on: vLLM's tensor_parallel_size x pipeline_parallel_size."""
+        return int(self.engine_args.get("tensor_parallel_size", 1)) * int(
+            self.engine_args.get("pipeline_parallel_size", 1)
+        )
+
+    @model_validator(mode="after")
+    def _gpus_fit_parallelism(self) -> ReasoningConfig:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = self.engine_args.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"engine_args.{key} must be an int >= 1, got {value!r}")
+        if self.gpus is not None and len(self.gpus) != self.parallel_size:
+            raise ValueError(
+                f"gpus {self.gpus} lists {len(self.gpus)} GPU(s) but the engine needs "
+                f"tensor_parallel_size x pipeline_parallel_size = {self.parallel_size}"
+            )
+        return self
 
 
-class VocoderConfig(Strict):
+class VocoderConfig(TorchStageConfig):
     """Speech synthesis: `espeak` (offline voice in its wheel) or `speecht5` (local weights)."""
 
     backend: Literal["espeak", "speecht5"] = "espeak"
@@ -50,7 +134,6 @@ class VocoderConfig(Strict):
     model: str | None = Field(None, description="speecht5: acoustic model id or folder")
     vocoder: str | None = Field(None, description="speecht5: HiFi-GAN id or folder")
     speaker_embedding: str | None = Field(None, description="speecht5: .npy of 512 floats")
-    device: str = "cpu"
     first_phrase_words: int = Field(
         4,
         ge=1,

@@ -21,6 +21,7 @@ from typing import Any
 from shm import reap_stale
 from stages.config import PipelineConfig
 from stages.messages import Error
+from stages.placement import StagePlacement, plan
 from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet
 from stages.worker import StageSpec, stage_main
 
@@ -70,6 +71,7 @@ class Supervisor:
         self.names = RingNames.fresh()
         self.rings: RingSet | None = None
         self.stages = {name: StageProcess(name) for name in STAGES}
+        self.placements: dict[str, StagePlacement] = {}
         self.on_restart = on_restart
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -79,6 +81,11 @@ class Supervisor:
 
     def start(self, progress: Progress | None = None) -> None:
         progress = progress or (lambda line: logger.info("%s", line))
+        # an impossible layout fails here, naming the stage, before any segment or process
+        self.placements = plan(self.config)
+        if any(p.gpus is not None for p in self.placements.values()):
+            for placement in self.placements.values():
+                progress(f"placement: {placement.describe()}")
         if reaped := reap_stale():
             progress(f"reaped {len(reaped)} shared-memory segments left by a dead process")
         self.rings = RingSet(self.names, self.config)
@@ -99,6 +106,7 @@ class Supervisor:
             self.names,
             self.config.model_dump(include=set(PipelineConfig.model_fields)),
             self.log_level,
+            self.placements[stage.name].env,
         )
         stage.process = _ctx.Process(
             target=stage_main, args=(spec, child), name=f"omni-{stage.name}", daemon=False

@@ -18,11 +18,12 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from shm import PeerDiedError, Record
+from stages import placement
 from stages.config import PipelineConfig
 from stages.messages import BadRecord, CancelAck, Error, Kind, Msg, decode
 from stages.rings import GATEWAY, UNPURGEABLE, RingNames, attach_ends
@@ -40,6 +41,8 @@ class StageSpec:
     names: RingNames
     config: dict[str, Any]
     log_level: int = logging.INFO
+    # set first thing in the process (its GPUs, NVLink multicast off); see stages.placement
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +207,8 @@ def _stage_class(name: str) -> type[Stage]:
 
 def stage_main(spec: StageSpec, conn: Connection) -> None:
     """Entry point of a stage process: load, report ready, run until SIGTERM."""
+    # before anything can initialise CUDA: this process and its children see only its GPUs
+    os.environ.update(spec.env)
     # stdout belongs to the command that started us (say-file --json prints there); model
     # libraries log to stdout, so point it, and their own child processes, at stderr
     sys.stdout.flush()
@@ -220,9 +225,14 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
     stage: Stage | None = None
     try:
         stage = _stage_class(spec.stage)(spec, stop)
+        stage_config = getattr(stage.config, spec.stage)
+        placement.apply_memory_share(
+            getattr(stage_config, "device", "cpu"),
+            getattr(stage_config, "gpu_memory_fraction", None),
+        )
         info = stage.load()
         stage.start_readers()
-        conn.send(("ready", {"pid": os.getpid(), **info}))
+        conn.send(("ready", {"pid": os.getpid(), **info, **placement.visible_report()}))
         stage.run()
     except BaseException as exc:
         logger.error("%s failed: %s", spec.stage, "".join(traceback.format_exception(exc)))

@@ -1,0 +1,177 @@
+"""Per-stage GPU placement: the layout checks, each stage's environment, and that a stage
+process really starts with it. No GPU needed: the GPU count is given to `plan()`."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.config import load_config
+from stages.config import PipelineConfig
+from stages.placement import MULTICAST_OFF, PlacementError, plan, wants_gpus
+from stages.rings import RingNames
+from stages.supervisor import Supervisor
+from stages.worker import StageSpec, stage_main
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+def config(**stages: dict) -> PipelineConfig:
+    return PipelineConfig.model_validate(stages)
+
+
+def split_layout(tp: int = 2) -> PipelineConfig:
+    """Reasoning tensor-parallel on GPUs 0..tp-1, encoder and vocoder together on GPU tp."""
+    return config(
+        encoder={"backend": "whisper", "model": "m", "device": "cuda", "gpus": [tp]},
+        vocoder={"device": "cuda", "gpus": [tp]},
+        reasoning={
+            "gpus": list(range(tp)),
+            "engine_args": {"tensor_parallel_size": tp, "gpu_memory_utilization": 0.8},
+        },
+    )
+
+
+def test_cpu_config_needs_no_gpu_and_still_turns_multicast_off() -> None:
+    cpu = load_config(CONFIGS / "offline.yaml")
+    assert not wants_gpus(cpu)
+    placements = plan(cpu, count=lambda: pytest.fail("a CPU layout must not count GPUs"))
+    for p in placements.values():
+        assert p.gpus is None and "CUDA_VISIBLE_DEVICES" not in p.env
+        assert p.env == MULTICAST_OFF
+
+
+def test_split_layout_gives_each_stage_only_its_gpus() -> None:
+    placements = plan(split_layout(), gpu_count=3, environ={})
+    assert placements["reasoning"].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert placements["encoder"].env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert placements["vocoder"].env["CUDA_VISIBLE_DEVICES"] == "2"
+    for p in placements.values():
+        assert {k: p.env[k] for k in MULTICAST_OFF} == MULTICAST_OFF
+
+
+def test_indices_are_of_the_gpus_the_supervisor_sees() -> None:
+    """Under CUDA_VISIBLE_DEVICES=4,5,6 our GPU 0 is the driver's GPU 4."""
+    placements = plan(split_layout(), gpu_count=3, environ={"CUDA_VISIBLE_DEVICES": "4,5,6"})
+    assert placements["reasoning"].env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert placements["vocoder"].env["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+def test_all_stages_on_one_gpu() -> None:
+    one = config(
+        encoder={"backend": "whisper", "model": "m", "device": "cuda", "gpus": [0]},
+        vocoder={"device": "cuda", "gpus": [0], "gpu_memory_fraction": 0.1},
+        reasoning={"gpus": [0], "engine_args": {"gpu_memory_utilization": 0.6}},
+    )
+    placements = plan(one, gpu_count=1, environ={})
+    assert {p.env["CUDA_VISIBLE_DEVICES"] for p in placements.values()} == {"0"}
+
+
+def test_the_gpus_present_are_counted_when_the_config_asks_for_gpus() -> None:
+    with pytest.raises(PlacementError, match=r"encoder is placed on GPU 2 but there are 1 GPU"):
+        plan(split_layout(), environ={}, count=lambda: 1)
+
+
+@pytest.mark.parametrize(
+    ("layout", "gpu_count", "message"),
+    [
+        (split_layout(), 2, r"encoder is placed on GPU 2 but there are 2 GPU\(s\) visible"),
+        (
+            config(reasoning={"gpus": [2, 3], "engine_args": {"tensor_parallel_size": 2}}),
+            3,
+            r"reasoning is placed on GPUs \[2, 3\].*3 GPU\(s\) visible here: no GPU \[3\]",
+        ),
+        (
+            config(encoder={"backend": "whisper", "model": "m", "device": "cuda"}),
+            0,
+            r"encoder.device is 'cuda' but there is no GPU",
+        ),
+        (
+            config(reasoning={"engine_args": {"tensor_parallel_size": 2}}),
+            1,
+            r"no GPU \[1\]",
+        ),
+        (
+            config(reasoning={"engine_args": {"tensor_parallel_size": 2}}),
+            0,
+            r"reasoning needs 2 GPU\(s\).*no GPU",
+        ),
+        (
+            config(vocoder={"device": "cuda", "gpus": [0]}, reasoning={"gpus": [0]}),
+            1,
+            r"reasoning shares GPU 0 with vocoder: set reasoning.engine_args"
+            r".gpu_memory_utilization",
+        ),
+        (
+            config(
+                vocoder={"device": "cuda", "gpus": [0], "gpu_memory_fraction": 0.3},
+                reasoning={"gpus": [0], "engine_args": {"gpu_memory_utilization": 0.8}},
+            ),
+            1,
+            r"GPU 0 is given out beyond its memory: vocoder 0.3 \+ reasoning 0.8 > 1.0",
+        ),
+    ],
+)
+def test_impossible_layouts_are_refused_naming_the_stage(
+    layout: PipelineConfig, gpu_count: int, message: str
+) -> None:
+    with pytest.raises(PlacementError, match=message):
+        plan(layout, gpu_count=gpu_count, environ={})
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ({"reasoning": {"gpus": [0], "engine_args": {"tensor_parallel_size": 2}}}, "needs"),
+        ({"reasoning": {"engine_args": {"tensor_parallel_size": 0}}}, "int >= 1"),
+        ({"vocoder": {"device": "cuda:1", "gpus": [3]}}, "past the 1 GPU"),
+        ({"vocoder": {"device": "cpu", "gpus": [0]}}, "device is 'cpu'"),
+        ({"vocoder": {"device": "cuda", "gpus": []}}, "gpus is \\[\\]"),
+        ({"encoder": {"gpus": [1, 1], "device": "cuda"}}, "listed twice"),
+        ({"encoder": {"device": "gpu0"}}, "use 'cpu', 'cuda' or 'cuda:N'"),
+    ],
+)
+def test_layouts_wrong_on_any_machine_fail_validation(stages: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        config(**stages)
+
+
+def test_supervisor_refuses_an_impossible_layout_before_starting_anything() -> None:
+    layout = config(reasoning={"engine_args": {"tensor_parallel_size": 64}})
+    sup = Supervisor(layout)
+    with pytest.raises(PlacementError, match="reasoning"):
+        sup.start()
+    assert sup.rings is None and all(s.process is None for s in sup.stages.values())
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_process_starts_with_its_environment() -> None:
+    """stage_main applies the spec's environment before anything else: a stage that fails to
+    start (here: no rings to attach to) reports the failure from inside that environment."""
+    env = {"CUDA_VISIBLE_DEVICES": "", **MULTICAST_OFF, "OMNI_PLACEMENT_PROBE": "yes"}
+    spec = StageSpec("encoder", RingNames("omni-test-placement-none"), {}, env=env)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_probe_stage, args=(spec, child))
+    proc.start()
+    child.close()
+    assert parent.poll(50), "the stage process reported nothing"
+    seen = parent.recv()
+    proc.join(10)
+    assert seen["env"] == env
+    assert seen["status"] == "failed"
+
+
+def _probe_stage(spec: StageSpec, conn) -> None:
+    import os
+
+    class Probe:  # what stage_main sends, plus the environment it ran in
+        def send(self, message: tuple) -> None:
+            conn.send({"status": message[0], "env": {k: os.environ.get(k) for k in spec.env}})
+
+    with contextlib.suppress(SystemExit):
+        stage_main(spec, Probe())
