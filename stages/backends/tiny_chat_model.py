@@ -8,12 +8,14 @@ model, but it babbles: the folder carries a ``random_weights`` marker so loaders
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,18 @@ def ensure_tiny_chat_model(folder: Path | None = None) -> Path:
     return build_once(folder, _build, "chat")
 
 
+def ensure_chat_model(
+    folder: Path, shape: dict[str, Any], vocab_size: int, device: str = "cpu"
+) -> Path:
+    """A random-weight Qwen2 chat model of any ``shape`` (e.g. Qwen2.5-7B's), built as the tiny
+    one is, its weights initialised on ``device``; for runs that need real-size models."""
+    return build_once(
+        Path(folder),
+        functools.partial(_build, shape=shape, vocab_size=vocab_size, device=device),
+        "chat",
+    )
+
+
 def build_once(folder: Path, build: Callable[[Path], None], what: str) -> Path:
     """Run ``build(staging)`` unless ``folder`` holds a finished build; return the folder.
 
@@ -101,15 +115,39 @@ def build_once(folder: Path, build: Callable[[Path], None], what: str) -> Path:
     return folder
 
 
-def _training_text() -> Iterator[str]:
-    """English prose that ships with every CPython: the pydoc topic pages (~460 KB)."""
+def _training_text(source_bytes: int = 0) -> Iterator[str]:
+    """English prose that ships with every CPython: the pydoc topic pages (~460 KB); then, for
+    large vocabularies, up to ``source_bytes`` of the standard library's own source."""
     from pydoc_data.topics import topics
 
     for _name, text in sorted(topics.items()):
         yield from text.split("\n\n")
+    yield from stdlib_sources(source_bytes)
 
 
-def _build(folder: Path) -> None:
+def stdlib_sources(limit: int) -> Iterator[str]:
+    """Up to ``limit`` characters of the standard library's .py files, in a fixed order:
+    enough text for BPE vocabularies of real models' sizes (32k tokens from ~8 MB)."""
+    import sysconfig
+
+    total = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if total >= limit:
+            return
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        total += len(text)
+        yield text
+
+
+def _build(
+    folder: Path,
+    shape: dict[str, Any] = MODEL_SHAPE,
+    vocab_size: int = VOCAB_SIZE,
+    device: str = "cpu",
+) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -123,12 +161,14 @@ def _build(folder: Path) -> None:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_training_text(), trainer=trainer)
+    # a vocabulary larger than the prose gives (~9k tokens) learns from source code too
+    source_bytes = 0 if vocab_size <= VOCAB_SIZE else 8 << 20
+    bpe.train_from_iterator(_training_text(source_bytes), trainer=trainer)
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
@@ -136,7 +176,7 @@ def _build(folder: Path) -> None:
         pad_token=ENDOFTEXT,
         unk_token=None,
         bos_token=None,
-        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+        model_max_length=shape["max_position_embeddings"],
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(folder)
@@ -144,16 +184,17 @@ def _build(folder: Path) -> None:
     endoftext_id = bpe.token_to_id(ENDOFTEXT)
     im_end_id = bpe.token_to_id(IM_END)
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        tie_word_embeddings=True,
+        **{"tie_word_embeddings": True, **shape},
+        vocab_size=bpe.get_vocab_size(),  # what training reached, at most vocab_size
         bos_token_id=endoftext_id,
         eos_token_id=im_end_id,
         pad_token_id=endoftext_id,
-        **MODEL_SHAPE,
     )
     torch.manual_seed(0)
     # bfloat16 is what vLLM runs on the CPU; saving float32 makes it convert (and warn) per tensor.
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    # Initialised where it is built: a 7B-shaped model takes half a second on a GPU.
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(
         bos_token_id=endoftext_id,
         eos_token_id=[im_end_id, endoftext_id],

@@ -12,16 +12,18 @@ temporary sibling that is renamed into place).
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import json
 import logging
 import os
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from stages.backends.tiny_chat_model import RANDOM_WEIGHTS_MARKER, build_once
+from stages.backends.tiny_chat_model import RANDOM_WEIGHTS_MARKER, build_once, stdlib_sources
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -104,7 +106,28 @@ def ensure_tiny_speecht5(folder: Path | None = None) -> TinySpeechT5:
     return TinySpeechT5(model=folder, vocoder=folder / "vocoder")
 
 
-def _training_text(paragraphs: int = 400) -> Iterator[str]:
+def ensure_whisper(
+    folder: Path, shape: dict[str, Any], vocab_size: int, device: str = "cpu"
+) -> Path:
+    """A random Whisper of any ``shape`` (e.g. whisper-small's), built as the tiny one is."""
+    build = functools.partial(
+        _build_whisper, shape=shape, vocab_size=vocab_size, paragraphs=None, device=device
+    )
+    return build_once(Path(folder), build, "whisper")
+
+
+def ensure_speecht5(
+    folder: Path, shape: dict[str, Any], hifigan_shape: dict[str, Any], device: str = "cpu"
+) -> TinySpeechT5:
+    """A random SpeechT5 + HiFi-GAN of any shapes ({}: the real checkpoints' defaults)."""
+    build = functools.partial(
+        _build_speecht5, shape=shape, hifigan_shape=hifigan_shape, device=device
+    )
+    folder = build_once(Path(folder), build, "speecht5")
+    return TinySpeechT5(model=folder, vocoder=folder / "vocoder")
+
+
+def _training_text(paragraphs: int | None = 400) -> Iterator[str]:
     """English prose that ships with every CPython: paragraphs of the pydoc topic pages."""
     from pydoc_data.topics import topics
 
@@ -121,7 +144,13 @@ def _mark_random(folder: Path) -> None:
     )
 
 
-def _build_whisper(folder: Path) -> None:
+def _build_whisper(
+    folder: Path,
+    shape: dict[str, Any] = WHISPER_SHAPE,
+    vocab_size: int = WHISPER_VOCAB_SIZE,
+    paragraphs: int | None = 400,
+    device: str = "cpu",
+) -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import (
@@ -136,16 +165,19 @@ def _build_whisper(folder: Path) -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=WHISPER_VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=[WHISPER_ENDOFTEXT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_training_text(), trainer=trainer)
+    text = _training_text(paragraphs)
+    if vocab_size > WHISPER_VOCAB_SIZE:  # real sizes learn from source code too
+        text = itertools.chain(text, stdlib_sources(8 << 20))
+    bpe.train_from_iterator(text, trainer=trainer)
     tokenizer = WhisperTokenizer(vocab=bpe.get_vocab(), merges=_bpe_merges(bpe))
     tokenizer.add_special_tokens({"additional_special_tokens": WHISPER_SPECIAL_TOKENS})
     processor = WhisperProcessor(
-        feature_extractor=WhisperFeatureExtractor(feature_size=WHISPER_SHAPE["num_mel_bins"]),
+        feature_extractor=WhisperFeatureExtractor(feature_size=shape["num_mel_bins"]),
         tokenizer=tokenizer,
     )
     processor.save_pretrained(folder)
@@ -161,10 +193,11 @@ def _build_whisper(folder: Path) -> None:
         # Generation settings live in generation_config.json, as in real checkpoints.
         begin_suppress_tokens=None,
         suppress_tokens=None,
-        **WHISPER_SHAPE,
+        **shape,
     )
     torch.manual_seed(0)
-    model = WhisperForConditionalGeneration(config)
+    with torch.device(device):
+        model = WhisperForConditionalGeneration(config)
     model.generation_config = GenerationConfig(
         decoder_start_token_id=token_id("<|startoftranscript|>"),
         bos_token_id=eot,
@@ -192,7 +225,12 @@ def _bpe_merges(bpe: Tokenizer) -> list[tuple[str, str]]:
     return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in merges]
 
 
-def _build_speecht5(folder: Path) -> None:
+def _build_speecht5(
+    folder: Path,
+    shape: dict[str, Any] = SPEECHT5_SHAPE,
+    hifigan_shape: dict[str, Any] = HIFIGAN_SHAPE,
+    device: str = "cpu",
+) -> None:
     import sentencepiece
     import torch
     from transformers import (
@@ -232,15 +270,17 @@ def _build_speecht5(folder: Path) -> None:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **SPEECHT5_SHAPE,
+        **shape,
     )
-    model = SpeechT5ForTextToSpeech(config)
+    with torch.device(device):
+        model = SpeechT5ForTextToSpeech(config)
     with torch.no_grad():
         model.speech_decoder_postnet.prob_out.bias.fill_(SPEECHT5_STOP_BIAS)
     model.save_pretrained(folder)
     _mark_random(folder)
 
-    vocoder = SpeechT5HifiGan(SpeechT5HifiGanConfig(**HIFIGAN_SHAPE))
+    with torch.device(device):
+        vocoder = SpeechT5HifiGan(SpeechT5HifiGanConfig(**hifigan_shape))
     # transformers initializes convolutions with std 0.01, which makes a silent vocoder (~1e-8);
     # torch's default init makes audible noise, so a pipeline test can see the audio.
     for module in vocoder.modules():

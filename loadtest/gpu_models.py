@@ -1,0 +1,139 @@
+"""Random-weight models of real deployment sizes, for GPU runs on machines without a model hub.
+
+Built where they run (weights initialised on the GPU), saved with `save_pretrained` and loaded
+through the same backends as real checkpoints. Their output is noise: Whisper transcribes
+babble, the chat model answers with random tokens, SpeechT5 speaks static. Every folder carries
+the `random_weights` marker, so the stages say so in their logs.
+
+    python -m loadtest.gpu_models [--root .cache/gpu-models] [--device cuda] [--preset real]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stages.backends.tiny_chat_model import MODEL_SHAPE, VOCAB_SIZE, ensure_chat_model
+from stages.backends.tiny_speech_models import (
+    HIFIGAN_SHAPE,
+    SPEECHT5_SHAPE,
+    WHISPER_SHAPE,
+    WHISPER_VOCAB_SIZE,
+    ensure_speecht5,
+    ensure_whisper,
+)
+
+DEFAULT_ROOT = Path(".cache/gpu-models")
+
+#: Qwen2.5-7B-Instruct's architecture (its config.json), with a 32k tokenizer trained here
+#: instead of its 152k one: 6.8 B parameters instead of 7.6 B, the same per-token work.
+QWEN25_7B_SHAPE = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+QWEN25_VOCAB = 32768
+#: openai/whisper-small (244 M parameters); the tokenizer trained here reaches fewer than its
+#: 51,865 tokens (the vocabulary size is in the results).
+WHISPER_SMALL_SHAPE = {
+    "d_model": 768,
+    "encoder_layers": 12,
+    "decoder_layers": 12,
+    "encoder_attention_heads": 12,
+    "decoder_attention_heads": 12,
+    "encoder_ffn_dim": 3072,
+    "decoder_ffn_dim": 3072,
+    "num_mel_bins": 80,
+    "max_source_positions": 1500,
+    "max_target_positions": 448,
+}
+WHISPER_SMALL_VOCAB = 51865
+#: transformers' defaults are microsoft/speecht5_tts (144 M) and speecht5_hifigan (13 M).
+SPEECHT5_REAL_SHAPE: dict[str, object] = {}
+HIFIGAN_REAL_SHAPE: dict[str, object] = {}
+
+PRESETS = {
+    # name: (chat shape, chat vocab, whisper shape, whisper vocab, speecht5, hifigan)
+    "real": (
+        QWEN25_7B_SHAPE,
+        QWEN25_VOCAB,
+        WHISPER_SMALL_SHAPE,
+        WHISPER_SMALL_VOCAB,
+        SPEECHT5_REAL_SHAPE,
+        HIFIGAN_REAL_SHAPE,
+    ),
+    # the test-sized models, to try the GPU run's script on a CPU
+    "tiny": (
+        MODEL_SHAPE,
+        VOCAB_SIZE,
+        WHISPER_SHAPE,
+        WHISPER_VOCAB_SIZE,
+        SPEECHT5_SHAPE,
+        HIFIGAN_SHAPE,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GpuModels:
+    chat: str
+    whisper: str
+    speecht5: str
+    hifigan: str
+    preset: str
+    build_s: float
+
+
+def ensure_models(
+    root: Path = DEFAULT_ROOT, device: str = "cuda", preset: str = "real"
+) -> GpuModels:
+    """Build (once) the preset's three models under `root`; returns their folders."""
+    chat_shape, chat_vocab, whisper_shape, whisper_vocab, t5_shape, gan_shape = PRESETS[preset]
+    root = Path(root).absolute()
+    t0 = time.monotonic()
+    chat = ensure_chat_model(root / f"chat-{preset}", chat_shape, chat_vocab, device)
+    whisper = ensure_whisper(root / f"whisper-{preset}", whisper_shape, whisper_vocab, device)
+    speech = ensure_speecht5(root / f"speecht5-{preset}", t5_shape, gan_shape, device)
+    return GpuModels(
+        str(chat),
+        str(whisper),
+        str(speech.model),
+        str(speech.vocoder),
+        preset,
+        round(time.monotonic() - t0, 1),
+    )
+
+
+def describe(models: GpuModels) -> dict[str, object]:
+    """The shapes as built (each folder's config.json), for the results."""
+    out: dict[str, object] = {"preset": models.preset, "random_weights": True}
+    for name in ("chat", "whisper", "speecht5", "hifigan"):
+        config = json.loads((Path(getattr(models, name)) / "config.json").read_text())
+        keys = [k for k in config if k.endswith(("_size", "_layers", "_heads", "_dim"))]
+        out[name] = {k: config[k] for k in sorted(keys) if isinstance(config[k], int)}
+        out[name]["architecture"] = (config.get("architectures") or ["?"])[0]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="real")
+    args = parser.parse_args()
+    models = ensure_models(args.root, args.device, args.preset)
+    print(json.dumps({**asdict(models), "shapes": describe(models)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
