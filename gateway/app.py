@@ -1,4 +1,5 @@
-"""The aiohttp application: WebRTC signaling, health, metrics, and the sessions it owns."""
+"""The aiohttp application: the OpenAI-shaped HTTP and WebSocket endpoints, health, metrics,
+and the sessions it owns."""
 
 from __future__ import annotations
 
@@ -6,15 +7,22 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import events as ev
+from gateway import speech
+from gateway.auth import Authenticator, AuthError, Grant
 from gateway.config import OmniConfig
 from gateway.metrics import GatewayMetrics
-from gateway.session import CallSession, TurnSettings
+from gateway.protocol import ProtocolError, SessionConfig, TurnDetection
+from gateway.session import RealtimeSession
+from gateway.speech import Utterance
+from gateway.webrtc import WebRTCTransport
+from gateway.websocket import serve_websocket, websocket_response
 from stages.link import PipelineLink, SessionsFull, StageEvent
 from stages.rings import RingNames
 
@@ -30,14 +38,16 @@ def openai_error(
     *,
     code: str,
     type_: str = "invalid_request_error",
+    param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "code": code, "param": None}}
+    body = {"error": {"message": message, "type": type_, "code": code, "param": param}}
     return web.json_response(body, status=status, headers=headers)
 
 
 class Gateway:
-    """Calls in progress and the pipeline link they share."""
+    """Sessions in progress (WebRTC calls, WebSockets, speech requests) and the pipeline link
+    they share."""
 
     def __init__(
         self, config: OmniConfig, names: RingNames, vocoder_rate: int, is_ready: Callable[[], bool]
@@ -46,9 +56,10 @@ class Gateway:
         self.names = names
         self.vocoder_rate = vocoder_rate
         self.is_ready = is_ready
+        self.auth = Authenticator(config.gateway.auth)
         self.metrics = GatewayMetrics()
-        self.calls: dict[str, CallSession] = {}
-        self.by_session: dict[int, CallSession] = {}
+        self.calls: dict[str, RealtimeSession] = {}
+        self.by_session: dict[int, RealtimeSession | Utterance] = {}
         self.link: PipelineLink | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -58,9 +69,9 @@ class Gateway:
         self.loop.call_soon_threadsafe(self._route, event)
 
     def _route(self, event: StageEvent) -> None:
-        call = self.by_session.get(event.session)
-        if call is not None:
-            call.on_stage_event(event)
+        owner = self.by_session.get(event.session)
+        if owner is not None:
+            owner.on_stage_event(event)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """cleanup_ctx: attach to the rings before serving; close every call, then the link."""
@@ -73,42 +84,64 @@ class Gateway:
                 await call.close("gateway shutting down")
             self.link.close()
 
+    def session_config(self) -> SessionConfig:
+        """A new session's settings: the configuration's defaults."""
+        td = self.config.gateway.turn_detection
+        return SessionConfig(
+            voice=self.config.vocoder.voice,
+            model=self.config.reasoning.model,
+            instructions=self.config.reasoning.system_prompt,
+            turn_detection=TurnDetection(**td.model_dump()),
+        )
+
+    def check_session_config(self, session: Any, param: str = "session") -> SessionConfig:
+        """The settings `session` would give a new session; ProtocolError if refused."""
+        return self.session_config().updated(session, param)
+
+    def open_session(self, prefix: str, grant: Grant, model: str | None) -> RealtimeSession:
+        """Admit a new Realtime session; raises SessionsFull, or ProtocolError for settings
+        that cannot be used."""
+        assert self.link is not None
+        if len(self.calls) >= self.config.gateway.max_calls:
+            raise SessionsFull(f"{len(self.calls)} calls in progress, the configured maximum")
+        config = self.session_config()
+        if grant.session is not None:
+            config.apply(grant.session)
+        if model:
+            config.model = model
+        session = self.link.open_session()
+        call = RealtimeSession(
+            ev.new_id(prefix),
+            self.link,
+            session,
+            self.vocoder_rate,
+            self.metrics,
+            config,
+            on_closed=self._forget,
+        )
+        self.calls[call.call_id] = call
+        self.by_session[session] = call
+        self.metrics.sessions.set(len(self.calls))
+        return call
+
     def _ice_config(self) -> RTCConfiguration:
         return RTCConfiguration(
             iceServers=[RTCIceServer(urls=u) for u in self.config.gateway.ice_servers]
         )
 
-    async def answer(self, offer_sdp: str) -> tuple[str, str]:
-        """Create a call from an SDP offer; (call_id, answer SDP). Raises SessionsFull, or
-        ValueError for an offer that is not usable."""
-        assert self.link is not None
-        if len(self.calls) >= self.config.gateway.max_calls:
-            raise SessionsFull(f"{len(self.calls)} calls in progress, the configured maximum")
-        session = self.link.open_session()
-        call_id = ev.new_id("rtc")
+    async def answer(
+        self, offer_sdp: str, grant: Grant, session: dict[str, Any] | None = None
+    ) -> tuple[str, str]:
+        """Create a call from an SDP offer; (call_id, answer SDP). Raises SessionsFull,
+        ProtocolError for refused settings, or ValueError for an offer that is not usable."""
+        if session is not None:
+            self.check_session_config(session)
+        call = self.open_session("rtc", grant, None)
+        if session is not None:
+            call.config.apply(session)
         pc = RTCPeerConnection(self._ice_config())
-        call = CallSession(
-            call_id,
-            pc,
-            self.link,
-            session,
-            self.vocoder_rate,
-            self.metrics,
-            TurnSettings(**self.config.gateway.turn_detection.model_dump()),
-            on_closed=self._forget,
-        )
-        self.calls[call_id] = call
-        self.by_session[session] = call
-        self.metrics.sessions.set(len(self.calls))
-        pc.addTrack(call.playout)
-        pc.on("track", call.attach_track)
-        pc.on("datachannel", call.attach_channel)
-
-        @pc.on("connectionstatechange")
-        async def _state() -> None:
-            if pc.connectionState in ("failed", "closed"):
-                await call.close(f"connection {pc.connectionState}")
-
+        transport = WebRTCTransport(call, pc)
+        call.bind(transport)
         try:
             await pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
             if not any(t.kind == "audio" for t in pc.getTransceivers()):
@@ -117,22 +150,24 @@ class Gateway:
         except Exception as exc:
             await call.close("bad offer")
             raise ValueError(f"unusable SDP offer: {exc}") from exc
-        call.send(
-            ev.event(
-                "session.created",
-                session={
-                    "id": call_id,
-                    "object": "realtime.session",
-                    "type": "realtime",
-                    "audio": {
-                        "input": {"turn_detection": {"type": "server_vad", **vars(call.settings)}}
-                    },
-                },
-            )
-        )
-        return call_id, pc.localDescription.sdp
+        call.start()
+        return call.call_id, pc.localDescription.sdp
 
-    def _forget(self, call: CallSession) -> None:
+    def open_utterance(self) -> Utterance:
+        """A pipeline session for one /v1/audio/speech request; raises SessionsFull."""
+        assert self.link is not None
+        utterance = Utterance(self.link, self.link.open_session(), self.vocoder_rate)
+        self.by_session[utterance.session] = utterance
+        return utterance
+
+    def close_utterance(self, utterance: Utterance) -> None:
+        assert self.link is not None
+        if not utterance.done:
+            self.link.cancel(utterance.session, reason="client_gone")
+        self.by_session.pop(utterance.session, None)
+        self.link.close_session(utterance.session)
+
+    def _forget(self, call: RealtimeSession) -> None:
         self.calls.pop(call.call_id, None)
         self.by_session.pop(call.session, None)
         self.metrics.sessions.set(len(self.calls))
@@ -147,56 +182,104 @@ class Gateway:
             self.metrics.ring_skipped.labels(name).set(stats["skipped"])
 
 
-async def _read_body(request: web.Request) -> bytes:
-    if request.content_length is not None and request.content_length > MAX_SDP_BYTES:
-        raise web.HTTPRequestEntityTooLarge(
-            max_size=MAX_SDP_BYTES, actual_size=request.content_length
-        )
-    body = await request.content.read(MAX_SDP_BYTES + 1)
-    if len(body) > MAX_SDP_BYTES:
-        raise web.HTTPRequestEntityTooLarge(max_size=MAX_SDP_BYTES, actual_size=len(body))
+async def _read_body(request: web.Request, limit: int = MAX_SDP_BYTES) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    body = await request.content.read(limit + 1)
+    if len(body) > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
     return body
 
 
-async def _answer(request: web.Request, sdp: str) -> tuple[str, str] | web.Response:
+def _authorize(request: web.Request, *, allow_ephemeral: bool = True) -> Grant | web.Response:
+    try:
+        return request.app[GATEWAY_KEY].auth.check(request, allow_ephemeral=allow_ephemeral)
+    except AuthError as exc:
+        return openai_error(401, str(exc), code=exc.code)
+
+
+def _not_ready() -> web.Response:
+    return openai_error(
+        503,
+        "the stage workers are not ready",
+        code="not_ready",
+        type_="server_error",
+        headers={"Retry-After": "5"},
+    )
+
+
+def _full(gateway: Gateway, exc: Exception) -> web.Response:
+    gateway.metrics.sessions_refused.inc()
+    return openai_error(
+        503,
+        f"too many calls: {exc}",
+        code="capacity",
+        type_="server_error",
+        headers={"Retry-After": "2"},
+    )
+
+
+def _refused(exc: ProtocolError) -> web.Response:
+    return openai_error(400, str(exc), code=exc.code, param=exc.param)
+
+
+async def _answer(
+    request: web.Request, sdp: str, grant: Grant, session: dict[str, Any] | None = None
+) -> tuple[str, str] | web.Response:
     gateway = request.app[GATEWAY_KEY]
     if not gateway.is_ready():
-        return openai_error(
-            503,
-            "the stage workers are not ready",
-            code="not_ready",
-            type_="server_error",
-            headers={"Retry-After": "5"},
-        )
+        return _not_ready()
     try:
-        return await gateway.answer(sdp)
+        return await gateway.answer(sdp, grant, session)
     except SessionsFull as exc:
-        gateway.metrics.sessions_refused.inc()
-        return openai_error(
-            503,
-            f"too many calls: {exc}",
-            code="capacity",
-            type_="server_error",
-            headers={"Retry-After": "2"},
-        )
+        return _full(gateway, exc)
+    except ProtocolError as exc:
+        return _refused(exc)
     except ValueError as exc:
         return openai_error(400, str(exc), code="invalid_sdp")
 
 
+async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None] | web.Response:
+    """The `sdp` and optional `session` (JSON) fields of a multipart/form-data offer, the
+    shape OpenAI's SDKs send when they configure the session with the call."""
+    form = await request.post()
+    sdp, session = form.get("sdp"), form.get("session")
+    if not isinstance(sdp, str):
+        return openai_error(400, "the form needs an 'sdp' text field", code="invalid_sdp")
+    if session is None:
+        return sdp, None
+    try:
+        parsed = json.loads(session if isinstance(session, str) else session.file.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return openai_error(400, f"'session' is not JSON: {exc}", code="invalid_json")
+    return sdp, parsed
+
+
 async def realtime_calls(request: web.Request) -> web.Response:
     """POST /v1/realtime/calls: SDP offer in, 201 with the SDP answer and Location out."""
-    if request.content_type != "application/sdp":
+    grant = _authorize(request)
+    if isinstance(grant, web.Response):
+        return grant
+    session = None
+    if request.content_type == "multipart/form-data":
+        form = await _offer_form(request)
+        if isinstance(form, web.Response):
+            return form
+        sdp, session = form
+    elif request.content_type == "application/sdp":
+        body = await _read_body(request)
+        try:
+            sdp = body.decode()
+        except UnicodeDecodeError:
+            return openai_error(400, "the SDP offer is not UTF-8 text", code="invalid_sdp")
+    else:
         return openai_error(
             415,
-            f"Content-Type must be application/sdp, not {request.content_type!r}",
+            "Content-Type must be application/sdp (or multipart/form-data with sdp and "
+            f"session), not {request.content_type!r}",
             code="unsupported_media_type",
         )
-    body = await _read_body(request)
-    try:
-        sdp = body.decode()
-    except UnicodeDecodeError:
-        return openai_error(400, "the SDP offer is not UTF-8 text", code="invalid_sdp")
-    result = await _answer(request, sdp)
+    result = await _answer(request, sdp, grant, session)
     if isinstance(result, web.Response):
         return result
     call_id, answer = result
@@ -210,6 +293,9 @@ async def realtime_calls(request: web.Request) -> web.Response:
 
 async def offer(request: web.Request) -> web.Response:
     """POST /offer: aiortc-style JSON {sdp, type} in, JSON {sdp, type, call_id} out."""
+    grant = _authorize(request)
+    if isinstance(grant, web.Response):
+        return grant
     if request.content_type != "application/json":
         return openai_error(
             415, "Content-Type must be application/json", code="unsupported_media_type"
@@ -225,7 +311,7 @@ async def offer(request: web.Request) -> web.Response:
         or not isinstance(data.get("sdp"), str)
     ):
         return openai_error(400, 'expected {"type": "offer", "sdp": "..."}', code="invalid_offer")
-    result = await _answer(request, data["sdp"])
+    result = await _answer(request, data["sdp"], grant)
     if isinstance(result, web.Response):
         return result
     call_id, answer = result
@@ -233,13 +319,126 @@ async def offer(request: web.Request) -> web.Response:
 
 
 async def hang_up(request: web.Request) -> web.Response:
-    """DELETE /v1/realtime/calls/{call_id}."""
+    """DELETE /v1/realtime/calls/{call_id}, or POST .../hangup (the GA SDK's)."""
+    grant = _authorize(request)
+    if isinstance(grant, web.Response):
+        return grant
     gateway = request.app[GATEWAY_KEY]
     call = gateway.calls.get(request.match_info["call_id"])
     if call is None:
         return openai_error(404, "no such call", code="not_found")
     await call.close("hung up by the client")
-    return web.Response(status=204)
+    return web.Response(status=204 if request.method == "DELETE" else 200)
+
+
+async def realtime_websocket(request: web.Request) -> web.StreamResponse:
+    """GET /v1/realtime?model=...: a Realtime session over a WebSocket."""
+    grant = _authorize(request)
+    if isinstance(grant, web.Response):
+        return grant
+    gateway = request.app[GATEWAY_KEY]
+    if "call_id" in request.query:
+        return openai_error(
+            400,
+            "joining a WebRTC call's events over a WebSocket (call_id) is not supported",
+            code="unsupported",
+            param="call_id",
+        )
+    if request.query.get("intent", "conversation") != "conversation":
+        return openai_error(
+            400,
+            "transcription-only sessions are not supported",
+            code="unsupported",
+            param="intent",
+        )
+    if not gateway.is_ready():
+        return _not_ready()
+    try:
+        call = gateway.open_session("sess", grant, request.query.get("model"))
+    except SessionsFull as exc:
+        return _full(gateway, exc)
+    except ProtocolError as exc:
+        return _refused(exc)
+    ws = websocket_response()
+    try:
+        await ws.prepare(request)
+    except BaseException:
+        await call.close("websocket handshake failed")
+        raise
+    await serve_websocket(request, call, ws)
+    return ws
+
+
+async def client_secrets(request: web.Request) -> web.Response:
+    """POST /v1/realtime/client_secrets: mint an ephemeral `ek_` key for a browser."""
+    grant = _authorize(request, allow_ephemeral=False)
+    if isinstance(grant, web.Response):
+        return grant
+    gateway = request.app[GATEWAY_KEY]
+    body = await _read_body(request)
+    try:
+        data = json.loads(body) if body.strip() else {}
+        if not isinstance(data, dict):
+            raise ProtocolError("the body must be a JSON object")
+        for key in data:
+            if key not in ("expires_after", "session"):
+                raise ProtocolError(f"unknown field {key!r}", param=key)
+        ttl = None
+        if (after := data.get("expires_after")) is not None:
+            if not isinstance(after, dict) or after.get("anchor", "created_at") != "created_at":
+                raise ProtocolError(
+                    "expires_after must be {anchor: 'created_at', seconds: N}",
+                    param="expires_after",
+                )
+            ttl = after.get("seconds", gateway.config.gateway.auth.client_secret_ttl_s)
+            if isinstance(ttl, bool) or not isinstance(ttl, int) or not 10 <= ttl <= 7200:
+                raise ProtocolError(
+                    "expires_after.seconds must be an integer from 10 to 7200",
+                    param="expires_after.seconds",
+                )
+        session = data.get("session") or {"type": "realtime"}
+        config = gateway.check_session_config(session)
+    except json.JSONDecodeError as exc:
+        return openai_error(400, f"invalid JSON: {exc}", code="invalid_json")
+    except ProtocolError as exc:
+        return _refused(exc)
+    secret = gateway.auth.mint(session, ttl)
+    return web.json_response(
+        {
+            "value": secret.value,
+            "expires_at": secret.expires_at,
+            "session": config.to_json(ev.new_id("sess"), secret.expires_at),
+        }
+    )
+
+
+async def audio_speech(request: web.Request) -> web.StreamResponse:
+    """POST /v1/audio/speech: the vocoder alone, streamed."""
+    grant = _authorize(request, allow_ephemeral=False)
+    if isinstance(grant, web.Response):
+        return grant
+    gateway = request.app[GATEWAY_KEY]
+    try:
+        fields = speech.parse_request(
+            speech.body_json(await _read_body(request)), gateway.config.vocoder.voice
+        )
+    except ProtocolError as exc:
+        return _refused(exc)
+    if not gateway.is_ready():
+        return _not_ready()
+    try:
+        utterance = gateway.open_utterance()
+    except SessionsFull as exc:
+        return _full(gateway, exc)
+    try:
+        return await speech.respond(request, utterance, fields)
+    except (TimeoutError, RuntimeError) as exc:
+        logger.error("speech request failed: %s", exc)
+        return openai_error(
+            500, f"synthesis failed: {exc}", code="vocoder_error", type_="server_error"
+        )
+    finally:
+        gateway.close_utterance(utterance)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -263,10 +462,15 @@ def create_app(
 ) -> web.Application:
     app = web.Application(client_max_size=MAX_SDP_BYTES)
     gateway = Gateway(config, names, vocoder_rate, is_ready)
+    gateway.auth.announce(f"http://{config.gateway.host}:{config.gateway.port}")
     app[GATEWAY_KEY] = gateway
     app.cleanup_ctx.append(gateway.lifecycle)
     app.router.add_post("/v1/realtime/calls", realtime_calls)
     app.router.add_delete("/v1/realtime/calls/{call_id}", hang_up)
+    app.router.add_post("/v1/realtime/calls/{call_id}/hangup", hang_up)
+    app.router.add_get("/v1/realtime", realtime_websocket)
+    app.router.add_post("/v1/realtime/client_secrets", client_secrets)
+    app.router.add_post("/v1/audio/speech", audio_speech)
     app.router.add_post("/offer", offer)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -21,6 +21,24 @@ class TurnDetectionConfig(Strict):
     interrupt_response: bool = True
 
 
+class AuthConfig(Strict):
+    """Who may use the gateway: `Authorization: Bearer <key>` with a configured API key, or an
+    ephemeral `ek_` key minted by POST /v1/realtime/client_secrets."""
+
+    enabled: bool = Field(
+        True, description="false: anyone who reaches the port may call (local use only)"
+    )
+    api_keys: list[str] = Field(default_factory=list, description="accepted API keys")
+    api_keys_env: str | None = Field(
+        "OMNI_GATEWAY_API_KEYS",
+        description="environment variable with more keys, comma-separated (keeps them out of "
+        "the YAML)",
+    )
+    client_secret_ttl_s: int = Field(
+        600, ge=10, le=7200, description="lifetime of a client secret when the request names none"
+    )
+
+
 class GatewayConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -39,6 +57,7 @@ class GatewayConfig(Strict):
         "playout of caller audio (aiortc's default is 4, ~80 ms)",
     )
     turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
 
 class OmniConfig(PipelineConfig):

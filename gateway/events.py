@@ -43,8 +43,10 @@ def response_obj(
     response_id: str,
     status: str,
     *,
-    output_text: str = "",
+    audio: bool = True,
+    item: dict[str, Any] | None = None,
     status_details: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `response` object of response.created and response.done."""
     return {
@@ -52,17 +54,15 @@ def response_obj(
         "id": response_id,
         "status": status,
         "status_details": status_details,
-        "output": (
-            [
-                {
-                    "type": "message",
-                    "role": "assistant",
-                    "status": status,
-                    "content": [{"type": "output_audio", "transcript": output_text}],
-                }
-            ]
-            if output_text
-            else []
-        ),
-        "output_modalities": ["audio"],
+        "output": [item] if item is not None else [],
+        "output_modalities": ["audio"] if audio else ["text"],
+        "metadata": metadata,
+        "conversation_id": None,
+        "usage": None,
     }
+
+
+def rate_limits() -> dict[str, Any]:
+    """rate_limits.updated after each response: this gateway limits nothing per token or
+    request (admission is per call, at connect), which it says by reporting no limits."""
+    return event("rate_limits.updated", rate_limits=[])

@@ -1,14 +1,20 @@
-"""One call: caller audio through VAD into the encoder ring, stage events out to the caller.
+"""One Realtime session: caller audio through VAD into the encoder ring, stage events out as
+OpenAI Realtime (GA) server events, client events in. Transport-agnostic: a WebRTC call
+(gateway.webrtc) and a WebSocket (gateway.websocket) differ only in how audio and events
+travel, which their `Transport` hides.
 
 Everything here runs on the event loop. Stage events arrive on ring reader threads and hop
-over with `loop.call_soon_threadsafe` (see gateway.app). Barge-in is handled in one place,
-`interrupt()`: playout stops at once, the session's epoch moves on (every stage's queued
-work for the old reply is purged), and each stage is asked to stop and acknowledge.
+over with `loop.call_soon_threadsafe` (see gateway.app). Barge-in and every other way a reply
+is stopped go through one place, `interrupt()`: playback stops at once, the session's epoch
+moves on (every stage's queued work for the old reply is purged), and each stage is asked to
+stop and acknowledge.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import collections
 import contextlib
 import json
@@ -16,29 +22,36 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
-from aiortc import MediaStreamTrack, RTCDataChannel, RTCPeerConnection
-from aiortc.mediastreams import MediaStreamError
 
 from gateway import events as ev
 from gateway.chunker import Chunker
+from gateway.conversation import Conversation, Item, item_from_client
 from gateway.metrics import GatewayMetrics
-from gateway.playout import PLAYOUT_RATE, PlayoutTrack
-from gateway.resample import Downmixer, Upsampler
+from gateway.protocol import (
+    INPUT_RATE,
+    ProtocolError,
+    ResponseParams,
+    SessionConfig,
+    parse_response_create,
+)
+from gateway.resample import CALLER_RATE, Upsampler
 from gateway.vad import SpeechStarted, SpeechStopped, TurnDetector
 from stages.link import PipelineLink, SpokenTracker, StageEvent
-from stages.messages import Kind
+from stages.messages import Kind, SessionSettings
+from stages.rings import STAGES
 
 logger = logging.getLogger(__name__)
 
 FRAME_SAMPLES_16K = 320  # 20 ms at 16 kHz
-MAX_EVENT_BYTES = 256 * 1024
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # input_audio_buffer.append carries up to 15 MiB of base64
+MANUAL_BUFFER_S = 120  # audio held for a manual commit, at most
 
 
 class CallLog(logging.LoggerAdapter):
-    """Log lines of one call carry its call id and pipeline session, as text and as record
+    """Log lines of one session carry its id and pipeline session, as text and as record
     attributes (`call`, `session`) for structured handlers."""
 
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -48,66 +61,95 @@ class CallLog(logging.LoggerAdapter):
 
 
 @dataclass
-class TurnSettings:
-    """OpenAI's server_vad knobs."""
-
-    threshold: float = 0.5
-    prefix_padding_ms: int = 300
-    silence_duration_ms: int = 500
-    create_response: bool = True
-    interrupt_response: bool = True
-
-
-@dataclass
 class ActiveResponse:
     response_id: str
+    item: Item
     started_ns: int
+    audio: bool
+    metadata: dict[str, Any] | None = None
     tracker: SpokenTracker = field(default_factory=SpokenTracker)
     text: str = ""
     first_audio_ns: int = 0
-    playout_start: int | None = None  # playout.played_samples + queued when its audio began
-    generated: bool = False  # AUDIO_DONE came: nothing more will be queued
+    samples: int = 0  # audio at the vocoder's rate handed to the transport
+    generated: bool = False  # its last event (AUDIO_DONE, or RESPONSE_DONE for text) came
+    playback_start: Any = None  # the transport's mark of where its audio began
 
 
-class CallSession:
-    """A WebRTC call bound to one pipeline session."""
+@dataclass
+class PendingCancel:
+    response_id: str
+    sent_ns: int
+    acks: dict[str, int] = field(default_factory=dict)  # stage -> its CLOCK_MONOTONIC ns
+    kv_usage: float | None = None
+
+
+class Transport(Protocol):
+    """How a session's audio and events reach the client."""
+
+    kind: str  # "webrtc" or "websocket"
+
+    def send_event(self, event: dict[str, Any]) -> None: ...
+
+    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None:
+        """Agent audio at the vocoder's rate, as it is synthesized."""
+
+    def finish(self, response: ActiveResponse) -> None:
+        """All of the response's audio was handed over; call `session.playback_done(id)`
+        once the client has (or will have) played it."""
+
+    def clear(self) -> None:
+        """Drop every queued sample now (barge-in)."""
+
+    def heard_samples(self, response: ActiveResponse) -> int:
+        """How much of the response's audio (at the vocoder's rate) the caller has heard."""
+
+    async def close(self) -> None: ...
+
+
+class RealtimeSession:
+    """A client connection bound to one pipeline session."""
 
     def __init__(
         self,
         call_id: str,
-        pc: RTCPeerConnection,
         link: PipelineLink,
         session: int,
         vocoder_rate: int,
         metrics: GatewayMetrics,
-        settings: TurnSettings,
-        on_closed: Callable[[CallSession], None],
+        config: SessionConfig,
+        on_closed: Callable[[RealtimeSession], None],
     ) -> None:
         self.call_id = call_id
-        self.pc = pc
         self.link = link
         self.session = session
         self.vocoder_rate = vocoder_rate
         self.metrics = metrics
-        self.settings = settings
+        self.config = config
         self.on_closed = on_closed
+        self.transport: Transport | None = None
         self.log = CallLog(logger, {"call": call_id, "session": session})
-        self.vad = TurnDetector(
-            settings.threshold, settings.prefix_padding_ms, settings.silence_duration_ms
+        td = config.turn_detection
+        self.vad = (
+            TurnDetector(td.threshold, td.prefix_padding_ms, td.silence_duration_ms)
+            if td
+            else TurnDetector()
         )
         self.chunker = Chunker()
-        self.downmixer = Downmixer()
-        self.upsampler = Upsampler(vocoder_rate, PLAYOUT_RATE)
-        self.playout = PlayoutTrack(
-            on_started=self._playout_started,
-            on_stopped=self._playout_stopped,
-            on_mark=self._played_mark,
-        )
-        self.channel: RTCDataChannel | None = None
+        self.items = Conversation()
         self.response: ActiveResponse | None = None
         self.turn_id = 0
+        self.turn_items: dict[int, str] = {}  # turn id -> its user item
+        self.awaiting_transcript: set[int] = set()
+        self.deferred_create: tuple[ResponseParams, str | None] | None = None
         self.speech_stopped_ns = 0
         self.cancels: dict[int, int] = {}  # cancel_id -> CLOCK_MONOTONIC ns it was sent
+        self.pending_cancels: dict[int, PendingCancel] = {}
+        self._metadata: dict[str, dict[str, Any] | None] = {}  # response.create's, by id
+        # what each recent assistant audio item said when, for conversation.item.truncate
+        self._trackers: collections.OrderedDict[str, SpokenTracker] = collections.OrderedDict()
+        self.manual_audio: list[np.ndarray] = []
+        self.manual_samples = 0
+        self._partial_frame = np.zeros(0, np.int16)
         self.closed = asyncio.Event()
         self._pending_events: list[dict[str, Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -117,141 +159,220 @@ class CallSession:
 
     # -- wiring ----------------------------------------------------------------------------
 
-    def attach_channel(self, channel: RTCDataChannel) -> None:
-        if channel.label != "oai-events":
+    def bind(self, transport: Transport) -> None:
+        """Attach the transport; events sent before it existed go out now, in order."""
+        self.transport = transport
+        pending, self._pending_events = self._pending_events, []
+        for event in pending:
+            transport.send_event(event)
+
+    def send(self, event: dict[str, Any]) -> None:
+        if self.closed.is_set():
             return
-        self.channel = channel
-        channel.on("message", self._on_client_message)
-        channel.on("close", lambda: self._spawn(self.close("data channel closed"), "close"))
-        if channel.readyState == "open":
-            self._flush_events()
+        if self.transport is None:
+            self._pending_events.append(event)
         else:
-            channel.on("open", self._flush_events)
+            self.transport.send_event(event)
 
-    def attach_track(self, track: MediaStreamTrack) -> None:
-        if track.kind == "audio":
-            self._spawn(self._read_caller_audio(track), f"audio-in-{self.call_id}")
-
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def send(self, event: dict[str, Any]) -> None:
-        """Send a server event on the data channel (queued until it opens)."""
-        if self.channel is not None and self.channel.readyState == "open":
-            self.channel.send(json.dumps(event))
-        elif not self.closed.is_set():
-            self._pending_events.append(event)
+    def start(self) -> None:
+        """Greet the client (session.created) and hand the stages the session's settings."""
+        self._apply_settings()
+        self.send(ev.event("session.created", session=self.config.to_json(self.call_id)))
 
-    def _flush_events(self) -> None:
-        pending, self._pending_events = self._pending_events, []
-        for event in pending:
-            self.send(event)
+    def _apply_settings(self) -> None:
+        c = self.config
+        self.link.apply_settings(
+            self.session, SessionSettings(c.instructions or None, c.audio_out, c.token_cap)
+        )
 
     # -- caller audio ----------------------------------------------------------------------
 
-    async def _read_caller_audio(self, track: MediaStreamTrack) -> None:
-        try:
-            while True:
-                frame = await track.recv()
-                self.frame_arrivals.append(time.monotonic())
-                pcm = self.downmixer.convert(frame)
-                for start in range(0, len(pcm) - FRAME_SAMPLES_16K + 1, FRAME_SAMPLES_16K):
-                    self._caller_frame(pcm[start : start + FRAME_SAMPLES_16K])
-        except MediaStreamError:
-            await self.close("caller audio ended")
+    def feed_audio(self, pcm16k: np.ndarray) -> None:
+        """Caller audio, PCM16 mono 16 kHz, in pieces of any length."""
+        if len(self._partial_frame):
+            pcm16k = np.concatenate([self._partial_frame, pcm16k])
+        whole = len(pcm16k) - len(pcm16k) % FRAME_SAMPLES_16K
+        self._partial_frame = pcm16k[whole:].copy()
+        for start in range(0, whole, FRAME_SAMPLES_16K):
+            self._caller_frame(pcm16k[start : start + FRAME_SAMPLES_16K])
 
     def _caller_frame(self, frame: np.ndarray) -> None:
         self.audio_in_frames += 1
+        if self.config.turn_detection is None:
+            if self.manual_samples < MANUAL_BUFFER_S * CALLER_RATE:
+                self.manual_audio.append(frame)
+                self.manual_samples += len(frame)
+            return
         for vad_event in self.vad.feed(frame):
             if isinstance(vad_event, SpeechStarted):
                 self._speech_started(vad_event)
             elif isinstance(vad_event, SpeechStopped):
-                self._speech_stopped(vad_event)
+                self._speech_stopped(vad_event.audio_end_ms, self._td_create_response())
                 return
         if self.vad.in_speech:
             for chunk in self.chunker.push(frame):
                 self.link.send_audio(self.session, chunk)
 
+    def _td_create_response(self) -> bool:
+        td = self.config.turn_detection
+        return td is not None and td.create_response
+
     def _speech_started(self, started: SpeechStarted) -> None:
         self.metrics.vad_events.labels("speech_started").inc()
-        if self.settings.interrupt_response and self.response is not None:
+        td = self.config.turn_detection
+        if td is not None and td.interrupt_response and self.response is not None:
             self.interrupt("barge_in")
-        self.turn_id += 1
-        self.link.speech_started(self.session, self.turn_id, started.audio_start_ms)
-        self.chunker.reset()
+        self._begin_turn(started.audio_start_ms)
         for chunk in self.chunker.push(started.prefix):
             self.link.send_audio(self.session, chunk)
         self.send(
             ev.event(
                 "input_audio_buffer.speech_started",
                 audio_start_ms=started.audio_start_ms,
-                item_id=self._item_id(),
+                item_id=self.turn_items[self.turn_id],
             )
         )
 
-    def _speech_stopped(self, stopped: SpeechStopped) -> None:
+    def _begin_turn(self, audio_start_ms: int) -> None:
+        self.turn_id += 1
+        self.turn_items[self.turn_id] = ev.new_id("item")
+        self.link.speech_started(self.session, self.turn_id, audio_start_ms)
+        self.chunker.reset()
+
+    def _speech_stopped(self, audio_end_ms: int, create_response: bool) -> None:
         self.metrics.vad_events.labels("speech_stopped").inc()
         rest = self.chunker.flush()
         if rest is not None:
             self.link.send_audio(self.session, rest)
         self.speech_stopped_ns = self.link.speech_stopped(
-            self.session, self.turn_id, stopped.audio_end_ms, self.settings.create_response
+            self.session, self.turn_id, audio_end_ms, create_response
         )
-        self.send(
-            ev.event(
-                "input_audio_buffer.speech_stopped",
-                audio_end_ms=stopped.audio_end_ms,
-                item_id=self._item_id(),
+        item_id = self.turn_items[self.turn_id]
+        if self.config.turn_detection is not None:
+            self.send(
+                ev.event(
+                    "input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id
+                )
             )
+        self._commit_item(item_id)
+
+    def _commit_item(self, item_id: str) -> None:
+        self.awaiting_transcript.add(self.turn_id)
+        item = Item(item_id, "user", [{"type": "input_audio", "transcript": None}], "completed")
+        previous = self.items.add(item)
+        self.send(
+            ev.event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
         )
         self.send(
-            ev.event("input_audio_buffer.committed", item_id=self._item_id(), previous_item_id=None)
+            ev.event("conversation.item.added", previous_item_id=previous, item=item.to_json())
         )
 
-    def _item_id(self) -> str:
-        return f"item_{self.call_id[-8:]}_{self.turn_id}"
+    def append_audio(self, audio_b64: Any) -> None:
+        """input_audio_buffer.append: base64 PCM16 mono 24 kHz."""
+        if not isinstance(audio_b64, str):
+            raise ProtocolError("audio must be a base64 string", param="audio")
+        try:
+            raw = base64.b64decode(audio_b64, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ProtocolError(
+                f"audio is not valid base64: {exc}", param="audio", code="invalid_audio"
+            ) from None
+        if len(raw) % 2:
+            raise ProtocolError(
+                "audio/pcm is 16-bit samples: an odd number of bytes cannot be it",
+                param="audio",
+                code="invalid_audio",
+            )
+        pcm = np.frombuffer(raw, dtype="<i2").astype(np.int16)
+        self.feed_audio(self._input_resampler.convert(pcm))
+
+    @property
+    def _input_resampler(self) -> Upsampler:
+        resampler = getattr(self, "_in_rs", None)
+        if resampler is None:
+            resampler = self._in_rs = Upsampler(INPUT_RATE, CALLER_RATE)
+        return resampler
+
+    def commit_audio(self) -> None:
+        """input_audio_buffer.commit: the buffered audio is a user turn."""
+        if self.config.turn_detection is not None:
+            if not self.vad.in_speech:
+                raise ProtocolError(
+                    "the input audio buffer is empty: server_vad commits turns by itself",
+                    code="input_audio_buffer_commit_empty",
+                )
+            end_ms = self.vad.audio_ms
+            self.vad.reset()
+            self._speech_stopped(end_ms, self._td_create_response())
+            return
+        if self.manual_samples < CALLER_RATE // 10:
+            raise ProtocolError(
+                f"the input audio buffer holds {self.manual_samples / 16:.0f} ms of audio; "
+                "a commit needs at least 100 ms",
+                code="input_audio_buffer_commit_empty",
+            )
+        audio = np.concatenate(self.manual_audio)
+        self.manual_audio, self.manual_samples = [], 0
+        self._begin_turn(0)
+        for start in range(0, len(audio), 3200):
+            self.link.send_audio(self.session, audio[start : start + 3200])
+        self._speech_stopped(len(audio) // 16, False)
+
+    def clear_audio(self) -> None:
+        """input_audio_buffer.clear."""
+        self.manual_audio, self.manual_samples = [], 0
+        self._partial_frame = np.zeros(0, np.int16)
+        self.vad.reset()
+        self.chunker.reset()
+        self.send(ev.event("input_audio_buffer.cleared"))
 
     # -- barge-in and cancel: the one place ------------------------------------------------
 
     def interrupt(self, reason: str) -> None:
         """Stop the agent now: drop queued audio, purge every stage, ask each to ack."""
         response = self.response
-        if response is None:
+        if response is None or self.transport is None:
             return
         self.response = None
-        self.playout.clear()
+        self.transport.clear()
         self.interrupted_at.append(time.monotonic())
-        heard = response.tracker.heard(self._heard_samples(response))
+        heard_samples = self.transport.heard_samples(response)
+        heard = response.tracker.heard(heard_samples) if response.audio else response.text
         cancel_id, t = self.link.cancel(self.session, response.response_id, heard, reason)
         self.cancels[cancel_id] = t
-        self.upsampler.reset()
+        self.pending_cancels[cancel_id] = PendingCancel(response.response_id, t)
         if reason == "barge_in":
             self.metrics.barge_ins.inc()
-        self.send(ev.event("output_audio_buffer.cleared", response_id=response.response_id))
-        self.send(
-            ev.event(
-                "response.done",
-                response=ev.response_obj(
-                    response.response_id,
-                    "cancelled",
-                    output_text=heard,
-                    status_details={
-                        "type": "cancelled",
-                        "reason": "turn_detected" if reason == "barge_in" else "client_cancelled",
-                    },
-                ),
+        if self.transport.kind == "webrtc" and response.audio:
+            self.send(ev.event("output_audio_buffer.cleared", response_id=response.response_id))
+        part = response.item.content[0]
+        part["transcript" if response.audio else "text"] = heard
+        if response.audio and response.samples:
+            self.send(
+                ev.event(
+                    "conversation.item.truncated",
+                    item_id=response.item.id,
+                    content_index=0,
+                    audio_end_ms=heard_samples * 1000 // self.vocoder_rate,
+                )
             )
-        )
+        if not response.generated:
+            response.item.status = "incomplete"
+            self._response_done(
+                response,
+                "cancelled",
+                {
+                    "type": "cancelled",
+                    "reason": "turn_detected" if reason == "barge_in" else "client_cancelled",
+                },
+            )
         self.log.info("reply %s cut (%s); caller heard %r", response.response_id, reason, heard)
-
-    def _heard_samples(self, response: ActiveResponse) -> int:
-        if response.playout_start is None:
-            return 0
-        played48 = max(0, self.playout.played_samples - response.playout_start)
-        return played48 * self.vocoder_rate // PLAYOUT_RATE
 
     # -- stage events ----------------------------------------------------------------------
 
@@ -262,56 +383,23 @@ class CallSession:
         if kind is Kind.AUDIO_OUT:
             self._agent_audio(event)
         elif kind is Kind.TRANSCRIPT:
-            name = (
-                "conversation.item.input_audio_transcription.completed"
-                if m.final
-                else "conversation.item.input_audio_transcription.delta"
-            )
-            fields = {"transcript": m.text} if m.final else {"delta": m.text}
-            self.send(
-                ev.event(
-                    name, item_id=f"item_{self.call_id[-8:]}_{m.turn_id}", content_index=0, **fields
-                )
-            )
+            self._transcript(m.turn_id, m.text, m.final)
         elif kind is Kind.RESPONSE_STARTED:
-            if self.response is not None:
-                self.interrupt("superseded")
-            self.response = ActiveResponse(m.response_id, event.t_ns)
-            self.upsampler.reset()
-            self.send(
-                ev.event("response.created", response=ev.response_obj(m.response_id, "in_progress"))
-            )
+            self._response_started(m.response_id, m.audio, event.t_ns)
         elif kind is Kind.TEXT_DELTA:
             if self._current(m.response_id):
-                self.response.text += m.text
-                self.send(
-                    ev.event(
-                        "response.output_audio_transcript.delta",
-                        response_id=m.response_id,
-                        delta=m.text,
-                    )
-                )
+                self._text_delta(self.response, m.text)
         elif kind is Kind.PHRASE:
             if self._current(m.response_id):
                 self.response.tracker.phrase(m.text)
         elif kind is Kind.RESPONSE_DONE:
             if self._current(m.response_id):
-                self.send(
-                    ev.event(
-                        "response.output_audio_transcript.done",
-                        response_id=m.response_id,
-                        transcript=m.text,
-                    )
-                )
+                self._text_done(self.response, m.text, m.status)
         elif kind is Kind.AUDIO_DONE:
             if self._current(m.response_id):
-                self._reply_generated(m.response_id)
+                self._audio_done(self.response)
         elif kind is Kind.CANCEL_ACK:
-            sent = self.cancels.get(m.cancel_id)
-            if sent is not None:
-                self.metrics.cancel_latency.labels(m.stage).observe((m.t_ns - sent) / 1e9)
-            if m.kv_usage is not None:
-                self.metrics.kv_usage.set(m.kv_usage)
+            self._cancel_ack(m.cancel_id, m.stage, m.t_ns, m.kv_usage)
         elif kind is Kind.ERROR:
             self.metrics.stage_errors.labels(m.stage).inc()
             self.send(ev.error(f"{m.stage}: {m.message}", code=m.code, type_="server_error"))
@@ -319,57 +407,233 @@ class CallSession:
     def _current(self, response_id: str) -> bool:
         return self.response is not None and self.response.response_id == response_id
 
-    def _agent_audio(self, event: StageEvent) -> None:
-        response = self.response
-        if response is None:
-            return  # a reply that was cut: its stragglers are dropped
-        pcm = np.frombuffer(event.msg, dtype=np.int16)
-        response.tracker.audio(len(pcm))
-        if response.playout_start is None:
-            response.playout_start = self.playout.played_samples + self.playout.queued_samples
-            response.first_audio_ns = time.monotonic_ns()
-            if self.speech_stopped_ns:
-                self.metrics.turn_latency.observe(
-                    (response.first_audio_ns - self.speech_stopped_ns) / 1e9
+    def _transcript(self, turn_id: int, text: str, final: bool) -> None:
+        item_id = self.turn_items.get(turn_id)
+        if item_id is None:
+            return
+        if self.config.transcription is not None:
+            fields = {"transcript": text} if final else {"delta": text}
+            name = "completed" if final else "delta"
+            self.send(
+                ev.event(
+                    f"conversation.item.input_audio_transcription.{name}",
+                    item_id=item_id,
+                    content_index=0,
+                    **fields,
                 )
-                self.speech_stopped_ns = 0
-            self.metrics.time_to_first_audio.observe(
-                (response.first_audio_ns - response.started_ns) / 1e9
             )
-        self.playout.enqueue(self.upsampler.convert(pcm))
+        if not final:
+            return
+        self.awaiting_transcript.discard(turn_id)
+        if item_id in self.items:
+            item = self.items.get(item_id)
+            item.content[0]["transcript"] = text
+            self.send(ev.event("conversation.item.done", item=item.to_json()))
+        if self.deferred_create is not None and not self.awaiting_transcript:
+            params, event_id = self.deferred_create
+            self.deferred_create = None
+            self._create_response(params, event_id)
 
-    def _reply_generated(self, response_id: str) -> None:
-        assert self.response is not None
-        self.response.generated = True
-        tail = self.upsampler.flush()
-        self.playout.enqueue(tail, mark=("done", response_id))
+    def _response_started(self, response_id: str, audio: bool, t_ns: int) -> None:
+        if self.response is not None:
+            self.interrupt("superseded")
+        metadata = self._metadata.pop(response_id, None)
+        item = Item(
+            ev.new_id("item"),
+            "assistant",
+            [
+                {"type": "output_audio", "transcript": ""}
+                if audio
+                else {"type": "output_text", "text": ""}
+            ],
+            "in_progress",
+        )
+        response = self.response = ActiveResponse(response_id, item, t_ns, audio, metadata)
+        if audio:
+            self._trackers[item.id] = response.tracker
+            while len(self._trackers) > 32:
+                self._trackers.popitem(last=False)
         self.send(
             ev.event(
-                "response.done",
-                response=ev.response_obj(response_id, "completed", output_text=self.response.text),
+                "response.created",
+                response=ev.response_obj(
+                    response_id, "in_progress", audio=audio, metadata=metadata
+                ),
+            )
+        )
+        previous = self.items.add(item)
+        self.send(
+            ev.event(
+                "response.output_item.added",
+                response_id=response_id,
+                output_index=0,
+                item=item.to_json(),
+            )
+        )
+        self.send(
+            ev.event("conversation.item.added", previous_item_id=previous, item=item.to_json())
+        )
+        self.send(
+            ev.event(
+                "response.content_part.added",
+                **self._where(response),
+                part=self._part(response, ""),
             )
         )
 
-    def _playout_started(self) -> None:
-        if self.response is not None:
+    @staticmethod
+    def _where(response: ActiveResponse) -> dict[str, Any]:
+        return {
+            "response_id": response.response_id,
+            "item_id": response.item.id,
+            "output_index": 0,
+            "content_index": 0,
+        }
+
+    @staticmethod
+    def _part(response: ActiveResponse, text: str) -> dict[str, Any]:
+        return (
+            {"type": "audio", "transcript": text}
+            if response.audio
+            else {"type": "text", "text": text}
+        )
+
+    def _text_delta(self, response: ActiveResponse, text: str) -> None:
+        response.text += text
+        name = "output_audio_transcript" if response.audio else "output_text"
+        self.send(ev.event(f"response.{name}.delta", **self._where(response), delta=text))
+
+    def _text_done(self, response: ActiveResponse, text: str, status: str) -> None:
+        """The reasoning stage finished the reply's text (the audio may still be coming)."""
+        response.text = text
+        if response.audio:
+            response.item.content[0]["transcript"] = text
             self.send(
-                ev.event("output_audio_buffer.started", response_id=self.response.response_id)
+                ev.event(
+                    "response.output_audio_transcript.done",
+                    **self._where(response),
+                    transcript=text,
+                )
+            )
+            if status == "completed":
+                return  # AUDIO_DONE finishes it
+        else:
+            response.item.content[0]["text"] = text
+            self.send(ev.event("response.output_text.done", **self._where(response), text=text))
+        self._finish(response, status)
+
+    def _audio_done(self, response: ActiveResponse) -> None:
+        self.send(ev.event("response.output_audio.done", **self._where(response)))
+        self._finish(response, "completed")
+
+    def _finish(self, response: ActiveResponse, status: str) -> None:
+        response.generated = True
+        self.send(
+            ev.event(
+                "response.content_part.done",
+                **self._where(response),
+                part=self._part(response, response.text),
+            )
+        )
+        response.item.status = "completed" if status == "completed" else "incomplete"
+        self.send(
+            ev.event(
+                "response.output_item.done",
+                response_id=response.response_id,
+                output_index=0,
+                item=response.item.to_json(),
+            )
+        )
+        self.send(ev.event("conversation.item.done", item=response.item.to_json()))
+        self._response_done(response, status, None)
+        if response.audio and self.transport is not None:
+            self.transport.finish(response)
+        elif self.response is response:
+            self.response = None
+
+    def _response_done(
+        self, response: ActiveResponse, status: str, details: dict[str, Any] | None
+    ) -> None:
+        self.send(
+            ev.event(
+                "response.done",
+                response=ev.response_obj(
+                    response.response_id,
+                    status,
+                    audio=response.audio,
+                    item=response.item.to_json(),
+                    status_details=details,
+                    metadata=response.metadata,
+                ),
+            )
+        )
+        self.send(ev.rate_limits())
+
+    def _agent_audio(self, event: StageEvent) -> None:
+        response = self.response
+        if response is None or not response.audio or self.transport is None:
+            return  # a reply that was cut: its stragglers are dropped
+        pcm = np.frombuffer(event.msg, dtype=np.int16)
+        response.tracker.audio(len(pcm))
+        if not response.first_audio_ns:
+            response.first_audio_ns = time.monotonic_ns()
+            turn_ms = None
+            if self.speech_stopped_ns:
+                turn_ms = (response.first_audio_ns - self.speech_stopped_ns) / 1e6
+                self.metrics.turn_latency.observe(turn_ms / 1000)
+                self.speech_stopped_ns = 0
+            first_ms = (response.first_audio_ns - response.started_ns) / 1e6
+            self.metrics.time_to_first_audio.observe(first_ms / 1000)
+            self.send(
+                ev.event(
+                    "omni.response.first_audio",
+                    response_id=response.response_id,
+                    turn_latency_ms=None if turn_ms is None else round(turn_ms, 1),
+                    time_to_first_audio_ms=round(first_ms, 1),
+                )
+            )
+        self.transport.play(response, pcm)
+        response.samples += len(pcm)
+
+    def playback_done(self, response_id: str) -> None:
+        """The transport played a finished reply to its end."""
+        if self._current(response_id):
+            self.response = None
+
+    def _cancel_ack(self, cancel_id: int, stage: str, t_ns: int, kv: float | None) -> None:
+        sent = self.cancels.get(cancel_id)
+        if sent is not None:
+            self.metrics.cancel_latency.labels(stage).observe((t_ns - sent) / 1e9)
+        if kv is not None:
+            self.metrics.kv_usage.set(kv)
+        pending = self.pending_cancels.get(cancel_id)
+        if pending is None:
+            return
+        pending.acks[stage] = t_ns
+        if kv is not None:
+            pending.kv_usage = kv
+        if set(pending.acks) >= set(STAGES):
+            del self.pending_cancels[cancel_id]
+            self.send(
+                ev.event(
+                    "omni.response.cancelled",
+                    response_id=pending.response_id,
+                    cancel_latency_ms=round(
+                        (max(pending.acks.values()) - pending.sent_ns) / 1e6, 2
+                    ),
+                    stages_ms={
+                        s: round((t - pending.sent_ns) / 1e6, 2) for s, t in pending.acks.items()
+                    },
+                    kv_cache_usage=pending.kv_usage,
+                )
             )
 
-    def _playout_stopped(self) -> None:
-        pass  # a drain mid-reply (vocoder behind) is not the end: the "done" mark is
+    # -- client events ---------------------------------------------------------------------
 
-    def _played_mark(self, mark: object) -> None:
-        if isinstance(mark, tuple) and mark[0] == "done":
-            self.send(ev.event("output_audio_buffer.stopped", response_id=mark[1]))
-            if self._current(mark[1]):
-                self.response = None
-
-    # -- client events (the Realtime protocol's full set lives in the realtime issue) -------
-
-    def _on_client_message(self, message: Any) -> None:
+    def on_client_message(self, message: Any) -> None:
+        """One client event as received (JSON text); every failure becomes an `error` event."""
         if isinstance(message, bytes) or len(message) > MAX_EVENT_BYTES:
-            self.send(ev.error("events must be JSON text of at most 256 KiB"))
+            self.send(ev.error("events must be JSON text of at most 16 MiB", code="invalid_event"))
             return
         try:
             data = json.loads(message)
@@ -381,81 +645,199 @@ class CallSession:
                 ev.error("an event is a JSON object with a string 'type'", code="invalid_event")
             )
             return
-        event_id = data.get("event_id")
-        kind = data["type"]
-        if kind == "response.cancel":
-            self.interrupt("client_cancel")
-        elif kind == "output_audio_buffer.clear":
-            self.interrupt("client_clear")
-        elif kind == "response.create":
-            self.link.create_response(self.session, ev.new_id("resp"))
-        elif kind == "session.update":
-            self._session_update(data, event_id)
-        else:
+        event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+        handler = self._handlers.get(data["type"])
+        try:
+            if handler is None:
+                raise ProtocolError(
+                    f"unknown or unsupported event type {data['type']!r}",
+                    param="type",
+                    code="unknown_event",
+                )
+            handler(self, data, event_id)
+        except ProtocolError as exc:
+            self.send(ev.error(str(exc), code=exc.code, param=exc.param, event_id=event_id))
+        except Exception as exc:  # one bad event must never take the session down
+            self.log.exception("handling %s failed", data["type"])
             self.send(
                 ev.error(
-                    f"unknown or unsupported event type {kind!r}",
-                    code="unknown_event",
-                    param="type",
+                    f"{type(exc).__name__}: {exc}",
+                    code="internal_error",
+                    type_="server_error",
                     event_id=event_id,
                 )
             )
 
-    def _session_update(self, data: dict[str, Any], event_id: str | None) -> None:
-        session = data.get("session")
-        td = (((session or {}).get("audio") or {}).get("input") or {}).get("turn_detection")
-        if not isinstance(td, dict):
-            self.send(
-                ev.error(
-                    "session.update needs session.audio.input.turn_detection here",
-                    param="session",
-                    event_id=event_id,
-                )
+    def _on_session_update(self, data: dict[str, Any], event_id: str | None) -> None:
+        had_vad = self.config.turn_detection is not None
+        self.config.apply(data.get("session"))
+        td = self.config.turn_detection
+        if td is not None:
+            self.vad.update(
+                threshold=td.threshold,
+                prefix_padding_ms=td.prefix_padding_ms,
+                silence_duration_ms=td.silence_duration_ms,
             )
-            return
-        try:
-            knobs = {
-                k: td[k]
-                for k in ("threshold", "prefix_padding_ms", "silence_duration_ms")
-                if k in td
-            }
-            self.vad.update(**knobs)
-        except (TypeError, ValueError) as exc:
-            self.send(
-                ev.error(f"bad turn_detection: {exc}", param="turn_detection", event_id=event_id)
+        if had_vad != (td is not None):
+            self.vad.reset()
+            self.manual_audio, self.manual_samples = [], 0
+        self._apply_settings()
+        self.send(ev.event("session.updated", session=self.config.to_json(self.call_id)))
+
+    def _on_append(self, data: dict[str, Any], event_id: str | None) -> None:
+        if self.transport is not None and self.transport.kind == "webrtc":
+            raise ProtocolError(
+                "on a WebRTC call the caller's audio comes over its media track",
+                param="type",
+                code="unsupported",
             )
-            return
-        for key in ("create_response", "interrupt_response"):
-            if key in td:
-                setattr(self.settings, key, bool(td[key]))
+        self.append_audio(data.get("audio"))
+
+    def _on_commit(self, data: dict[str, Any], event_id: str | None) -> None:
+        self.commit_audio()
+
+    def _on_clear(self, data: dict[str, Any], event_id: str | None) -> None:
+        self.clear_audio()
+
+    def _on_item_create(self, data: dict[str, Any], event_id: str | None) -> None:
+        item = item_from_client(data.get("item"))
+        previous = data.get("previous_item_id")
+        if previous is not None and not isinstance(previous, str):
+            raise ProtocolError("previous_item_id must be a string", param="previous_item_id")
+        before = self.items.add(item, previous)
+        self._sync_history()
+        self.send(ev.event("conversation.item.added", previous_item_id=before, item=item.to_json()))
+        self.send(ev.event("conversation.item.done", item=item.to_json()))
+
+    def _on_item_retrieve(self, data: dict[str, Any], event_id: str | None) -> None:
+        item = self.items.get(data.get("item_id"))
+        self.send(ev.event("conversation.item.retrieved", item=item.to_json()))
+
+    def _on_item_delete(self, data: dict[str, Any], event_id: str | None) -> None:
+        item = self.items.get(data.get("item_id"))
+        if self.response is not None and self.response.item is item:
+            raise ProtocolError(
+                "the item is being generated: cancel the response first", param="item_id"
+            )
+        self.items.delete(item.id)
+        self._sync_history()
+        self.send(ev.event("conversation.item.deleted", item_id=item.id))
+
+    def _on_item_truncate(self, data: dict[str, Any], event_id: str | None) -> None:
+        """Cut an assistant audio item to what the client played (`audio_end_ms`)."""
+        item = self.items.get(data.get("item_id"))
+        if item.role != "assistant" or item.content[0].get("type") != "output_audio":
+            raise ProtocolError("only an assistant audio item can be truncated", param="item_id")
+        if data.get("content_index", 0) != 0:
+            raise ProtocolError("content_index must be 0", param="content_index")
+        end_ms = data.get("audio_end_ms")
+        if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
+            raise ProtocolError("audio_end_ms must be an integer >= 0", param="audio_end_ms")
+        response = self.response if self.response and self.response.item is item else None
+        tracker = response.tracker if response else self._trackers.get(item.id)
+        if tracker is None:
+            raise ProtocolError("the item has no audio to truncate", param="item_id")
+        length_ms = tracker.samples * 1000 // self.vocoder_rate
+        if end_ms > length_ms and (response is None or response.generated):
+            raise ProtocolError(
+                f"audio_end_ms {end_ms} is beyond the item's audio ({length_ms} ms)",
+                param="audio_end_ms",
+            )
+        heard = tracker.heard(end_ms * self.vocoder_rate // 1000)
+        if response is not None:
+            self.interrupt("client_truncate")  # it says what was heard, from the playback
+        item.content[0]["transcript"] = heard
+        self._sync_history()
         self.send(
             ev.event(
-                "session.updated",
-                session={
-                    "audio": {
-                        "input": {"turn_detection": {"type": "server_vad", **vars(self.settings)}}
-                    }
-                },
+                "conversation.item.truncated",
+                item_id=item.id,
+                content_index=0,
+                audio_end_ms=end_ms,
             )
         )
+
+    def _on_response_create(self, data: dict[str, Any], event_id: str | None) -> None:
+        params = parse_response_create(data.get("response"), self.config)
+        if self.response is not None and not self.response.generated:
+            raise ProtocolError(
+                "a response is in progress: cancel it first, or wait for response.done",
+                code="conversation_already_has_active_response",
+            )
+        if self.awaiting_transcript:
+            self.deferred_create = (params, event_id)  # sent once the turn's text is known
+            return
+        self._create_response(params, event_id)
+
+    def _create_response(self, params: ResponseParams, event_id: str | None) -> None:
+        response_id = ev.new_id("resp")
+        self._metadata[response_id] = params.metadata
+        self.link.create_response(
+            self.session,
+            response_id,
+            instructions=params.instructions,
+            audio=params.audio,
+            max_output_tokens=params.max_output_tokens,
+        )
+
+    def _on_response_cancel(self, data: dict[str, Any], event_id: str | None) -> None:
+        wanted = data.get("response_id")
+        if self.response is None or self.response.generated:
+            raise ProtocolError(
+                "there is no response in progress", code="response_cancel_not_active"
+            )
+        if wanted is not None and wanted != self.response.response_id:
+            raise ProtocolError(
+                f"response {wanted!r} is not in progress", param="response_id", code="not_found"
+            )
+        self.interrupt("client_cancel")
+
+    def _on_output_clear(self, data: dict[str, Any], event_id: str | None) -> None:
+        if self.transport is not None and self.transport.kind != "webrtc":
+            raise ProtocolError(
+                "output_audio_buffer.clear is for WebRTC calls; over a WebSocket the client "
+                "holds the audio (use response.cancel and conversation.item.truncate)",
+                param="type",
+                code="unsupported",
+            )
+        self.interrupt("client_clear")
+
+    _handlers: ClassVar[
+        dict[str, Callable[[RealtimeSession, dict[str, Any], str | None], None]]
+    ] = {
+        "session.update": _on_session_update,
+        "input_audio_buffer.append": _on_append,
+        "input_audio_buffer.commit": _on_commit,
+        "input_audio_buffer.clear": _on_clear,
+        "conversation.item.create": _on_item_create,
+        "conversation.item.retrieve": _on_item_retrieve,
+        "conversation.item.delete": _on_item_delete,
+        "conversation.item.truncate": _on_item_truncate,
+        "response.create": _on_response_create,
+        "response.cancel": _on_response_cancel,
+        "output_audio_buffer.clear": _on_output_clear,
+    }
+
+    def _sync_history(self) -> None:
+        self.link.set_history(self.session, self.items.history())
 
     # -- teardown --------------------------------------------------------------------------
 
     async def close(self, reason: str) -> None:
-        """Tear the call down and free its stage state; safe to call twice."""
+        """Tear the session down and free its stage state; safe to call twice."""
         if self.closed.is_set():
             return
         self.closed.set()
-        self.log.info("call closed: %s", reason)
-        if self.response is not None:
-            self.response = None
-            self.playout.clear()
+        self.log.info("session closed: %s", reason)
+        self.response = None
+        if self.transport is not None:
+            self.transport.clear()
         self.link.close_session(self.session)  # the reasoning stage aborts its request
         self.on_closed(self)
         current = asyncio.current_task()
         for task in list(self._tasks):
             if task is not current:
                 task.cancel()
-        self.playout.stop()
-        with contextlib.suppress(Exception):
-            await self.pc.close()
+        if self.transport is not None:
+            with contextlib.suppress(Exception):
+                await self.transport.close()

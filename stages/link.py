@@ -21,13 +21,19 @@ from shm import PeerDiedError
 from stages.messages import (
     BadRecord,
     Cancel,
+    History,
+    HistoryMessage,
     Kind,
     Msg,
     ResponseCreate,
+    ResponseDone,
+    ResponseStarted,
     SessionClose,
     SessionOpen,
+    SessionSettings,
     SpeechStarted,
     SpeechStopped,
+    TextDelta,
     Truncate,
     decode,
 )
@@ -141,8 +147,30 @@ class PipelineLink:
         response_id: str,
         text: str | None = None,
         instructions: str | None = None,
+        audio: bool | None = None,
+        max_output_tokens: int | None = None,
     ) -> None:
-        self._send("reasoning", session, ResponseCreate(response_id, text, instructions))
+        """Start a reply; None fields take the session's settings."""
+        msg = ResponseCreate(response_id, text, instructions, audio, max_output_tokens)
+        self._send("reasoning", session, msg)
+
+    def set_history(self, session: int, messages: list[tuple[str, str]]) -> None:
+        """Replace the reasoning stage's copy of the conversation with (role, text) pairs."""
+        history = History([HistoryMessage(role, text) for role, text in messages])
+        self._send("reasoning", session, history)
+
+    def apply_settings(self, session: int, settings: SessionSettings) -> None:
+        self._send("reasoning", session, settings)
+
+    def speak(self, session: int, response_id: str, text: str) -> None:
+        """Have the vocoder alone say `text`, as fast as it can (no reasoning, no pacing);
+        its audio comes back as AUDIO_OUT records ending with AUDIO_DONE."""
+        for msg in (
+            ResponseStarted(response_id, -1, audio=True, paced=False),
+            TextDelta(response_id, text, 0),
+            ResponseDone(response_id, "completed", text),
+        ):
+            self._send("vocoder", session, msg)
 
     def truncate(self, session: int, response_id: str, spoken_text: str) -> None:
         self._send("reasoning", session, Truncate(response_id, spoken_text))

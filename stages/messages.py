@@ -24,6 +24,8 @@ class Kind(enum.IntEnum):
     # gateway -> reasoning
     RESPONSE_CREATE = 20
     TRUNCATE = 21
+    HISTORY = 22  # the client edited the conversation: here is all of it
+    SESSION_SETTINGS = 23  # session.update: instructions, output modality, token cap
     # reasoning -> vocoder, reasoning -> gateway
     RESPONSE_STARTED = 30
     TEXT_DELTA = 31
@@ -75,11 +77,35 @@ class SessionClose(Msg):
 
 
 class ResponseCreate(Msg):
-    """Start a reply now; `text` appends a user turn first (a typed message)."""
+    """Start a reply now; `text` appends a user turn first (a typed message). Fields left
+    None take the session's settings."""
 
     response_id: str
     text: str | None = None
     instructions: str | None = None
+    audio: bool | None = None  # speak it (False: text only, the vocoder stays out)
+    max_output_tokens: int | None = None
+    paced: bool = True  # False: synthesize as fast as possible (/v1/audio/speech)
+
+
+class HistoryMessage(Msg):
+    role: str  # "user", "assistant" or "system"
+    text: str
+
+
+class History(Msg):
+    """The whole conversation as the client now has it (after an item create, delete or
+    truncate); replaces the stage's copy."""
+
+    messages: list[HistoryMessage]
+
+
+class SessionSettings(Msg):
+    """A session.update's part that the reasoning stage applies to every later reply."""
+
+    instructions: str | None = None  # None: the configured system prompt
+    audio: bool = True
+    max_output_tokens: int | None = None  # None: the configured sampling.max_tokens
 
 
 class Truncate(Msg):
@@ -92,6 +118,8 @@ class Truncate(Msg):
 class ResponseStarted(Msg):
     response_id: str
     turn_id: int  # the user turn it answers; -1 for an explicit response.create
+    audio: bool = True  # False: a text-only reply, which the vocoder ignores
+    paced: bool = True  # False: the vocoder need not keep pace with playback
 
 
 class TextDelta(Msg):
@@ -147,6 +175,8 @@ SCHEMAS: dict[Kind, type[Msg]] = {
     Kind.TRANSCRIPT: Transcript,
     Kind.RESPONSE_CREATE: ResponseCreate,
     Kind.TRUNCATE: Truncate,
+    Kind.HISTORY: History,
+    Kind.SESSION_SETTINGS: SessionSettings,
     Kind.RESPONSE_STARTED: ResponseStarted,
     Kind.TEXT_DELTA: TextDelta,
     Kind.RESPONSE_DONE: ResponseDone,

@@ -17,10 +17,12 @@ from typing import Any
 from stages.config import TINY_CHAT_MODEL, ReasoningConfig
 from stages.messages import (
     Cancel,
+    History,
     Kind,
     ResponseCreate,
     ResponseDone,
     ResponseStarted,
+    SessionSettings,
     TextDelta,
     Transcript,
     Truncate,
@@ -58,8 +60,14 @@ class Conversation:
             self.messages.append({"role": role, "content": text})
             del self.messages[: max(0, len(self.messages) - self.max_messages)]
 
-    def prompt(self) -> list[dict[str, str]]:
-        return [{"role": "system", "content": self.system_prompt}, *self.messages]
+    def replace(self, history: History) -> None:
+        self.messages = []
+        for m in history.messages:
+            self.add(m.role, m.text)
+
+    def prompt(self, instructions: str | None = None) -> list[dict[str, str]]:
+        system = {"role": "system", "content": instructions or self.system_prompt}
+        return [system, *self.messages]
 
 
 @dataclass
@@ -75,7 +83,31 @@ class Response:
 @dataclass
 class SessionState:
     conversation: Conversation
+    settings: SessionSettings = field(default_factory=SessionSettings)
     response: Response | None = None
+
+
+@dataclass(frozen=True)
+class ReplyOptions:
+    """How one reply is made: the session's settings with its response.create's overrides."""
+
+    instructions: str | None = None
+    audio: bool = True
+    paced: bool = True
+    max_output_tokens: int | None = None
+
+    @classmethod
+    def of(cls, settings: SessionSettings, create: ResponseCreate | None = None) -> ReplyOptions:
+        if create is None:
+            return cls(settings.instructions, settings.audio, True, settings.max_output_tokens)
+        return cls(
+            create.instructions if create.instructions is not None else settings.instructions,
+            create.audio if create.audio is not None else settings.audio,
+            create.paced,
+            create.max_output_tokens
+            if create.max_output_tokens is not None
+            else settings.max_output_tokens,
+        )
 
 
 class ReasoningStage(Stage):
@@ -162,15 +194,21 @@ class ReasoningStage(Stage):
             state = self._state(s)
             state.conversation.add("user", msg.text)
             if msg.final and msg.text and msg.create_response:
-                self._start(s, state, f"resp_{s}_{msg.turn_id}", msg.turn_id, item.epoch)
+                options = ReplyOptions.of(state.settings)
+                self._start(s, state, f"resp_{s}_{msg.turn_id}", msg.turn_id, item.epoch, options)
         elif item.kind is Kind.RESPONSE_CREATE:
             create: ResponseCreate = item.msg
             state = self._state(s)
             if create.text:
                 state.conversation.add("user", create.text)
-            self._start(s, state, create.response_id, -1, item.epoch, create.instructions)
+            options = ReplyOptions.of(state.settings, create)
+            self._start(s, state, create.response_id, -1, item.epoch, options)
         elif item.kind is Kind.TRUNCATE:
             self._truncate(self._state(s), item.msg)
+        elif item.kind is Kind.HISTORY:
+            self._state(s).conversation.replace(item.msg)
+        elif item.kind is Kind.SESSION_SETTINGS:
+            self._state(s).settings = item.msg
 
     def _state(self, session: int) -> SessionState:
         state = self.sessions.get(session)
@@ -189,13 +227,13 @@ class ReasoningStage(Stage):
         response_id: str,
         turn_id: int,
         epoch: int,
-        instructions: str | None = None,
+        options: ReplyOptions,
     ) -> None:
         previous = state.response
         response = Response(response_id, f"{response_id}-{next(self._request_ids)}", epoch)
         state.response = response
         response.task = self._spawn(
-            self._respond(session, state, response, previous, turn_id, instructions),
+            self._respond(session, state, response, previous, turn_id, options),
             f"respond-{response.request_id}",
         )
 
@@ -206,21 +244,24 @@ class ReasoningStage(Stage):
         response: Response,
         previous: Response | None,
         turn_id: int,
-        instructions: str | None,
+        options: ReplyOptions,
     ) -> None:
         if previous is not None:  # one reply at a time per session
             await self._stop(previous)
             state.conversation.add("assistant", previous.text)
         e = response.epoch
-        started = ResponseStarted(response.response_id, turn_id)
+        started = ResponseStarted(response.response_id, turn_id, options.audio, options.paced)
         self.send("vocoder", session, started, epoch=e)
         self.send(GATEWAY, session, started, epoch=e)
-        prompt = state.conversation.prompt()
-        if instructions:
-            prompt[0] = {"role": "system", "content": instructions}
+        prompt = state.conversation.prompt(options.instructions)
+        sampling = (
+            {"max_tokens": options.max_output_tokens}
+            if options.max_output_tokens is not None
+            else None
+        )
         status, first_ns, index = "completed", 0, 0
         try:
-            async for text in self.engine.generate(response.request_id, prompt):
+            async for text in self.engine.generate(response.request_id, prompt, sampling):
                 if not first_ns:
                     first_ns = time.monotonic_ns()
                 response.text += text

@@ -31,9 +31,18 @@ LINKS: tuple[tuple[str, str], ...] = (
     ("vocoder", GATEWAY),
 )
 AUDIO_LINKS = {(GATEWAY, "encoder"), ("vocoder", GATEWAY)}
-# delivered whatever the session's epoch: the records that manage sessions and cancels
+# delivered whatever the session's epoch: the records that manage sessions, their settings
+# and conversation, and cancels (a barge-in must not undo an edit sent just before it)
 UNPURGEABLE = frozenset(
-    {Kind.SESSION_OPEN, Kind.SESSION_CLOSE, Kind.CANCEL, Kind.CANCEL_ACK, Kind.ERROR}
+    {
+        Kind.SESSION_OPEN,
+        Kind.SESSION_CLOSE,
+        Kind.HISTORY,
+        Kind.SESSION_SETTINGS,
+        Kind.CANCEL,
+        Kind.CANCEL_ACK,
+        Kind.ERROR,
+    }
 )
 
 

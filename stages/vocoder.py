@@ -46,10 +46,13 @@ class Reply:
     samples: int = 0  # synthesized so far
     started: float | None = None  # monotonic time of its first audio
     done_status: str | None = None  # set once the reply's text is complete
+    paced: bool = True  # False: nobody plays it in real time (/v1/audio/speech)
 
     def lead_s(self, now: float, rate: int) -> float:
         """How far synthesis runs ahead of real-time playback of this reply."""
-        return 0.0 if self.started is None else self.samples / rate - (now - self.started)
+        if self.started is None or not self.paced:
+            return 0.0
+        return self.samples / rate - (now - self.started)
 
 
 class VocoderStage(QueuedStage):
@@ -70,11 +73,15 @@ class VocoderStage(QueuedStage):
     def handle(self, item: Inbound) -> None:
         s = item.session
         if item.kind is Kind.RESPONSE_STARTED:
+            self.replies.pop(s, None)
+            if not item.msg.audio:
+                return  # a text-only reply: nothing to say
             cfg = self.config.vocoder
             self.replies[s] = Reply(
                 item.msg.response_id,
                 item.epoch,
                 PhraseSplitter(cfg.first_phrase_words, cfg.max_phrase_words),
+                paced=item.msg.paced,
             )
         elif item.kind is Kind.TEXT_DELTA:
             reply = self._reply_for(item)

@@ -1,0 +1,131 @@
+"""API keys and ephemeral client secrets, checked the way OpenAI's Realtime API does.
+
+A request carries `Authorization: Bearer <key>`; a browser's WebSocket, which cannot set
+headers, offers the key as a subprotocol `openai-insecure-api-key.<key>`. Keys are the
+configured API keys, or `ek_` secrets minted by POST /v1/realtime/client_secrets: short-lived,
+usable for new sessions until they expire, each carrying the session configuration it was
+minted with. Secrets live in this process's memory (a restart revokes them all).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.config import AuthConfig
+
+logger = logging.getLogger(__name__)
+
+SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+MAX_SECRETS = 100_000  # live secrets held at once; beyond it minting is refused
+
+
+class AuthError(Exception):
+    """401: the message says what was wrong, never echoing the key."""
+
+    def __init__(self, message: str, code: str = "invalid_api_key") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Who is calling: an API key holder, or a client secret with its session settings."""
+
+    ephemeral: bool
+    session: dict[str, Any] | None = None
+
+
+@dataclass
+class ClientSecret:
+    value: str
+    expires_at: int  # unix seconds
+    session: dict[str, Any]
+
+
+class Authenticator:
+    def __init__(self, config: AuthConfig, environ: Mapping[str, str] = os.environ) -> None:
+        self.enabled = config.enabled
+        self.default_ttl_s = config.client_secret_ttl_s
+        keys = list(config.api_keys)
+        if config.api_keys_env and environ.get(config.api_keys_env):
+            keys += [k.strip() for k in environ[config.api_keys_env].split(",") if k.strip()]
+        self._keys = [k.encode() for k in keys]
+        self._secrets: dict[str, ClientSecret] = {}
+        if self.enabled and not self._keys:
+            env = f" or in ${config.api_keys_env}" if config.api_keys_env else ""
+            raise ValueError(
+                f"gateway.auth is enabled but no API key is configured: put keys in "
+                f"gateway.auth.api_keys{env}, or set gateway.auth.enabled: false for local use"
+            )
+
+    def announce(self, where: str) -> None:
+        if not self.enabled:
+            logger.warning(
+                "AUTHENTICATION IS OFF (gateway.auth.enabled: false): anyone who can reach %s "
+                "can open calls. Only for local use.",
+                where,
+            )
+
+    # -- checking --------------------------------------------------------------------------
+
+    def check(self, request: web.Request, *, allow_ephemeral: bool = True) -> Grant:
+        """The caller's grant; raises AuthError (401) for a missing, wrong or expired key."""
+        if not self.enabled:
+            return Grant(ephemeral=False)
+        key = self._presented_key(request)
+        if key is None:
+            raise AuthError(
+                "no API key: send 'Authorization: Bearer <key>' (or, from a browser "
+                f"WebSocket, the subprotocol '{SUBPROTOCOL_PREFIX}<key>')",
+                code="missing_api_key",
+            )
+        if key.startswith("ek_"):
+            if not allow_ephemeral:
+                raise AuthError("a client secret cannot mint client secrets: use an API key")
+            secret = self._secrets.get(key)
+            if secret is None:
+                raise AuthError("unknown client secret")
+            if secret.expires_at <= time.time():
+                del self._secrets[key]
+                raise AuthError("the client secret has expired", code="expired_api_key")
+            return Grant(ephemeral=True, session=secret.session)
+        encoded = key.encode()
+        # compare against every key, so the time taken says nothing about which matched
+        if not any([hmac.compare_digest(encoded, k) for k in self._keys]):
+            raise AuthError("incorrect API key provided")
+        return Grant(ephemeral=False)
+
+    @staticmethod
+    def _presented_key(request: web.Request) -> str | None:
+        header = request.headers.get("Authorization", "")
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+        for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
+            proto = proto.strip()
+            if proto.startswith(SUBPROTOCOL_PREFIX):
+                return proto[len(SUBPROTOCOL_PREFIX) :]
+        return None
+
+    # -- minting ---------------------------------------------------------------------------
+
+    def mint(self, session: dict[str, Any], ttl_s: int | None = None) -> ClientSecret:
+        now = time.time()
+        for value in [v for v, s in self._secrets.items() if s.expires_at <= now]:
+            del self._secrets[value]
+        if len(self._secrets) >= MAX_SECRETS:
+            raise RuntimeError(f"{MAX_SECRETS} client secrets are live; try again later")
+        secret = ClientSecret(
+            f"ek_{secrets.token_urlsafe(24)}", int(now) + (ttl_s or self.default_ttl_s), session
+        )
+        self._secrets[secret.value] = secret
+        return secret

@@ -1,0 +1,343 @@
+"""The OpenAI Realtime (GA) session object: what a client may set, checked before anything
+changes, and refused by name when this gateway does not do it.
+
+`SessionConfig.apply()` validates a `session.update` (or a client secret's session) as a whole
+and only then applies it, so a refused update changes nothing. Fields that we accept but whose
+value we cannot honour (another voice, another audio format, tools) are refused with a
+`ProtocolError` naming the field, never silently ignored; docs/realtime.md has the table.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.config import TurnDetectionConfig
+
+INPUT_RATE = 24_000  # audio/pcm in the Realtime API: PCM16 mono 24 kHz, little-endian
+OUTPUT_RATE = 24_000
+MAX_OUTPUT_TOKENS = 4096
+
+
+class ProtocolError(ValueError):
+    """A client event we cannot carry out; becomes an `error` event naming `param`."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def unsupported(param: str, why: str) -> ProtocolError:
+    return ProtocolError(f"{param} is not supported here: {why}", param=param, code="unsupported")
+
+
+def _mapping(value: Any, param: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{param} must be an object", param=param)
+    return value
+
+
+def _check_keys(value: dict[str, Any], allowed: set[str], param: str) -> None:
+    for key in value:
+        if key not in allowed:
+            raise ProtocolError(f"unknown field {param}.{key}", param=f"{param}.{key}")
+
+
+@dataclass
+class TurnDetection:
+    """OpenAI's server_vad knobs; None in SessionConfig means manual turns (commit)."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "server_vad", **vars(self), "idle_timeout_ms": None}
+
+    @classmethod
+    def parse(cls, value: Any, current: TurnDetection | None, param: str) -> TurnDetection | None:
+        if value is None:
+            return None
+        value = _mapping(value, param)
+        _check_keys(
+            value,
+            {"type", "idle_timeout_ms", *TurnDetectionConfig.model_fields},
+            param,
+        )
+        kind = value.get("type", "server_vad")
+        if kind != "server_vad":
+            raise unsupported(f"{param}.type={kind!r}", "only server_vad (webrtcvad) is built")
+        if value.get("idle_timeout_ms") is not None:
+            raise unsupported(f"{param}.idle_timeout_ms", "no idle timeout is built")
+        merged = {**vars(current or cls()), **{k: v for k, v in value.items() if k != "type"}}
+        merged.pop("idle_timeout_ms", None)
+        try:
+            checked = TurnDetectionConfig.model_validate(merged)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = f"{param}." + ".".join(str(p) for p in first["loc"])
+            raise ProtocolError(f"{where}: {first['msg']}", param=where) from None
+        return cls(**checked.model_dump())
+
+
+def _audio_format(value: Any, param: str) -> str:
+    value = _mapping(value, param)
+    kind = value.get("type")
+    if kind == "audio/pcm":
+        rate = value.get("rate", INPUT_RATE)
+        if rate != INPUT_RATE:
+            raise unsupported(f"{param}.rate={rate}", "audio/pcm is 24000 Hz")
+        return kind
+    if kind in ("audio/pcmu", "audio/pcma"):
+        raise unsupported(f"{param}.type={kind!r}", "G.711 is not built; use audio/pcm")
+    raise ProtocolError(f"{param}.type must be 'audio/pcm', not {kind!r}", param=f"{param}.type")
+
+
+def _modalities(value: Any, param: str) -> list[str]:
+    if value not in (["audio"], ["text"]):
+        raise ProtocolError(f"{param} must be ['audio'] or ['text'], not {value!r}", param=param)
+    return list(value)
+
+
+def _max_tokens(value: Any, param: str) -> int | str:
+    if value == "inf":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_OUTPUT_TOKENS:
+        raise ProtocolError(
+            f"{param} must be 'inf' or an integer from 1 to {MAX_OUTPUT_TOKENS}", param=param
+        )
+    return value
+
+
+def _instructions(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{param} must be a string", param=param)
+    return value
+
+
+def _no_tools(session: dict[str, Any], param: str) -> None:
+    if session.get("tools"):
+        raise unsupported(f"{param}.tools", "function and MCP tools are not built")
+    if session.get("tool_choice", "auto") not in ("auto", "none"):
+        raise unsupported(f"{param}.tool_choice", "there are no tools to choose")
+
+
+@dataclass
+class SessionConfig:
+    """One session's settings, rendered as the GA `session` object."""
+
+    voice: str  # the vocoder's voice; the only one accepted
+    model: str = "omni-gateway"
+    instructions: str = ""
+    output_modalities: list[str] = field(default_factory=lambda: ["audio"])
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    transcription: dict[str, Any] | None = field(default_factory=lambda: {"model": "server"})
+    max_output_tokens: int | str = "inf"
+    input_format: str = "audio/pcm"
+    output_format: str = "audio/pcm"
+
+    @property
+    def audio_out(self) -> bool:
+        return self.output_modalities == ["audio"]
+
+    @property
+    def token_cap(self) -> int | None:
+        return None if self.max_output_tokens == "inf" else int(self.max_output_tokens)
+
+    def apply(self, update: Any, param: str = "session") -> None:
+        """Validate a whole session object, then apply it; a ProtocolError changes nothing."""
+        new = self.updated(update, param)
+        self.__dict__.update(new.__dict__)
+
+    def updated(self, update: Any, param: str = "session") -> SessionConfig:
+        update = _mapping(update, param)
+        _check_keys(
+            update,
+            {
+                "type",
+                "id",
+                "object",
+                "model",
+                "instructions",
+                "output_modalities",
+                "audio",
+                "tools",
+                "tool_choice",
+                "max_output_tokens",
+                "tracing",
+                "truncation",
+                "include",
+                "prompt",
+                "expires_at",
+            },
+            param,
+        )
+        new = copy.deepcopy(self)
+        if update.get("type", "realtime") != "realtime":
+            raise unsupported(f"{param}.type={update['type']!r}", "transcription sessions")
+        if "model" in update:
+            if not isinstance(update["model"], str):
+                raise ProtocolError(f"{param}.model must be a string", param=f"{param}.model")
+            new.model = update["model"]
+        if "instructions" in update:
+            new.instructions = _instructions(update["instructions"], f"{param}.instructions")
+        if "output_modalities" in update:
+            new.output_modalities = _modalities(
+                update["output_modalities"], f"{param}.output_modalities"
+            )
+        if "max_output_tokens" in update:
+            new.max_output_tokens = _max_tokens(
+                update["max_output_tokens"], f"{param}.max_output_tokens"
+            )
+        _no_tools(update, param)
+        if update.get("tracing") is not None:
+            raise unsupported(f"{param}.tracing", "no tracing service; use /metrics and logs")
+        if update.get("truncation", "auto") != "auto":
+            raise unsupported(
+                f"{param}.truncation", "the history is cut to reasoning.max_history_messages"
+            )
+        if update.get("include"):
+            raise unsupported(f"{param}.include", "no transcription logprobs")
+        if update.get("prompt") is not None:
+            raise unsupported(f"{param}.prompt", "no stored prompts; use instructions")
+        if "audio" in update:
+            new._apply_audio(_mapping(update["audio"], f"{param}.audio"), f"{param}.audio")
+        return new
+
+    def _apply_audio(self, audio: dict[str, Any], param: str) -> None:
+        _check_keys(audio, {"input", "output"}, param)
+        inp = _mapping(audio.get("input", {}), f"{param}.input")
+        _check_keys(
+            inp, {"format", "transcription", "noise_reduction", "turn_detection"}, f"{param}.input"
+        )
+        if "format" in inp:
+            self.input_format = _audio_format(inp["format"], f"{param}.input.format")
+        if inp.get("noise_reduction") is not None:
+            raise unsupported(f"{param}.input.noise_reduction", "no noise reduction is built")
+        if "transcription" in inp:
+            t = inp["transcription"]
+            if t is not None:
+                t = _mapping(t, f"{param}.input.transcription")
+                _check_keys(t, {"model", "language", "prompt"}, f"{param}.input.transcription")
+            self.transcription = t
+        if "turn_detection" in inp:
+            self.turn_detection = TurnDetection.parse(
+                inp["turn_detection"], self.turn_detection, f"{param}.input.turn_detection"
+            )
+        out = _mapping(audio.get("output", {}), f"{param}.output")
+        _check_keys(out, {"format", "voice", "speed"}, f"{param}.output")
+        if "format" in out:
+            self.output_format = _audio_format(out["format"], f"{param}.output.format")
+        if "voice" in out and out["voice"] != self.voice:
+            raise unsupported(
+                f"{param}.output.voice={out['voice']!r}",
+                f"this gateway's vocoder speaks with voice {self.voice!r}",
+            )
+        if out.get("speed", 1.0) != 1.0:
+            raise unsupported(f"{param}.output.speed", "the vocoder speaks at speed 1.0")
+
+    def to_json(self, session_id: str, expires_at: int = 0) -> dict[str, Any]:
+        return {
+            "type": "realtime",
+            "object": "realtime.session",
+            "id": session_id,
+            "model": self.model,
+            "output_modalities": list(self.output_modalities),
+            "instructions": self.instructions,
+            "audio": {
+                "input": {
+                    "format": {"type": self.input_format, "rate": INPUT_RATE},
+                    "transcription": self.transcription,
+                    "noise_reduction": None,
+                    "turn_detection": (
+                        self.turn_detection.to_json() if self.turn_detection else None
+                    ),
+                },
+                "output": {
+                    "format": {"type": self.output_format, "rate": OUTPUT_RATE},
+                    "voice": self.voice,
+                    "speed": 1.0,
+                },
+            },
+            "tools": [],
+            "tool_choice": "auto",
+            "max_output_tokens": self.max_output_tokens,
+            "tracing": None,
+            "truncation": "auto",
+            "prompt": None,
+            "include": None,
+            "expires_at": expires_at,
+        }
+
+
+@dataclass(frozen=True)
+class ResponseParams:
+    """The parts of response.create's `response` that this gateway carries out."""
+
+    instructions: str | None = None
+    audio: bool | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def parse_response_create(value: Any, session: SessionConfig) -> ResponseParams:
+    if value is None:
+        return ResponseParams()
+    value = _mapping(value, "response")
+    _check_keys(
+        value,
+        {
+            "instructions",
+            "output_modalities",
+            "max_output_tokens",
+            "metadata",
+            "conversation",
+            "input",
+            "audio",
+            "tools",
+            "tool_choice",
+            "prompt",
+        },
+        "response",
+    )
+    if value.get("conversation", "auto") != "auto":
+        raise unsupported(
+            "response.conversation", "out-of-band responses are not built; replies join it"
+        )
+    if value.get("input") is not None:
+        raise unsupported("response.input", "add items with conversation.item.create")
+    if value.get("prompt") is not None:
+        raise unsupported("response.prompt", "no stored prompts; use instructions")
+    _no_tools(value, "response")
+    if "audio" in value:
+        # the same checks as session.audio.output, without changing the session
+        audio = _mapping(value["audio"], "response.audio")
+        _check_keys(audio, {"output"}, "response.audio")
+        session.updated({"audio": {"output": audio.get("output", {})}}, "response")
+    metadata = value.get("metadata")
+    if metadata is not None:
+        metadata = _mapping(metadata, "response.metadata")
+    tokens = value.get("max_output_tokens")
+    if tokens is not None:
+        tokens = _max_tokens(tokens, "response.max_output_tokens")
+    modalities = value.get("output_modalities")
+    return ResponseParams(
+        instructions=(
+            _instructions(value["instructions"], "response.instructions")
+            if "instructions" in value
+            else None
+        ),
+        audio=(
+            None
+            if modalities is None
+            else _modalities(modalities, "response.output_modalities") == ["audio"]
+        ),
+        max_output_tokens=None if tokens in (None, "inf") else int(tokens),
+        metadata=metadata,
+    )

@@ -1,0 +1,124 @@
+"""The WebRTC transport of a Realtime session: Opus media tracks both ways and the
+"oai-events" data channel, as OpenAI's /v1/realtime/calls."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+from aiortc import MediaStreamTrack, RTCDataChannel, RTCPeerConnection
+from aiortc.mediastreams import MediaStreamError
+
+from gateway import events as ev
+from gateway.playout import PLAYOUT_RATE, PlayoutTrack
+from gateway.resample import Downmixer, Upsampler
+from gateway.session import ActiveResponse, RealtimeSession
+
+EVENTS_CHANNEL = "oai-events"
+
+
+class WebRTCTransport:
+    """Caller audio from the remote track, agent audio on a paced local track, events on the
+    data channel (queued until it opens)."""
+
+    kind = "webrtc"
+
+    def __init__(self, session: RealtimeSession, pc: RTCPeerConnection) -> None:
+        self.session = session
+        self.pc = pc
+        self.channel: RTCDataChannel | None = None
+        self._pending: list[str] = []
+        self.downmixer = Downmixer()
+        self.upsampler = Upsampler(session.vocoder_rate, PLAYOUT_RATE)
+        self.playout = PlayoutTrack(on_started=self._playout_started, on_mark=self._played_mark)
+        pc.addTrack(self.playout)
+        pc.on("track", self._attach_track)
+        pc.on("datachannel", self._attach_channel)
+
+        @pc.on("connectionstatechange")
+        async def _state() -> None:
+            if pc.connectionState in ("failed", "closed"):
+                await session.close(f"connection {pc.connectionState}")
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _attach_channel(self, channel: RTCDataChannel) -> None:
+        if channel.label != EVENTS_CHANNEL:
+            return
+        self.channel = channel
+        channel.on("message", self.session.on_client_message)
+        channel.on(
+            "close", lambda: self.session.spawn(self.session.close("data channel closed"), "close")
+        )
+        if channel.readyState == "open":
+            self._flush()
+        else:
+            channel.on("open", self._flush)
+
+    def send_event(self, event: dict[str, Any]) -> None:
+        text = json.dumps(event)
+        if self.channel is not None and self.channel.readyState == "open":
+            self.channel.send(text)
+        else:
+            self._pending.append(text)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        assert self.channel is not None
+        for text in pending:
+            self.channel.send(text)
+
+    # -- caller audio ----------------------------------------------------------------------
+
+    def _attach_track(self, track: MediaStreamTrack) -> None:
+        if track.kind == "audio":
+            self.session.spawn(self._read_caller_audio(track), f"audio-in-{self.session.call_id}")
+
+    async def _read_caller_audio(self, track: MediaStreamTrack) -> None:
+        session = self.session
+        try:
+            while True:
+                frame = await track.recv()
+                session.frame_arrivals.append(time.monotonic())
+                session.feed_audio(self.downmixer.convert(frame))
+        except MediaStreamError:
+            await session.close("caller audio ended")
+
+    # -- agent audio -----------------------------------------------------------------------
+
+    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None:
+        if response.playback_start is None:
+            self.upsampler.reset()
+            response.playback_start = self.playout.played_samples + self.playout.queued_samples
+        self.playout.enqueue(self.upsampler.convert(pcm))
+
+    def finish(self, response: ActiveResponse) -> None:
+        self.playout.enqueue(self.upsampler.flush(), mark=("done", response.response_id))
+
+    def clear(self) -> None:
+        self.playout.clear()
+        self.upsampler.reset()
+
+    def heard_samples(self, response: ActiveResponse) -> int:
+        if response.playback_start is None:
+            return 0
+        played48 = max(0, self.playout.played_samples - response.playback_start)
+        return played48 * self.session.vocoder_rate // PLAYOUT_RATE
+
+    def _playout_started(self) -> None:
+        response = self.session.response
+        if response is not None:
+            self.session.send(
+                ev.event("output_audio_buffer.started", response_id=response.response_id)
+            )
+
+    def _played_mark(self, mark: object) -> None:
+        if isinstance(mark, tuple) and mark[0] == "done":
+            self.session.send(ev.event("output_audio_buffer.stopped", response_id=mark[1]))
+            self.session.playback_done(mark[1])
+
+    async def close(self) -> None:
+        self.playout.stop()
+        await self.pc.close()

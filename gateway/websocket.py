@@ -1,0 +1,118 @@
+"""The WebSocket transport of a Realtime session (GET /v1/realtime?model=...): JSON events both
+ways; the caller's audio in `input_audio_buffer.append`, the agent's in
+`response.output_audio.delta`, both base64 PCM16 mono 24 kHz."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+from typing import Any
+
+import numpy as np
+from aiohttp import WSMsgType, web
+
+from gateway import events as ev
+from gateway.protocol import OUTPUT_RATE
+from gateway.resample import Upsampler
+from gateway.session import MAX_EVENT_BYTES, ActiveResponse, RealtimeSession
+
+SUBPROTOCOL = "realtime"
+MAX_QUEUED_EVENTS = 10_000  # a client that stops reading is dropped past this
+
+
+class WebSocketTransport:
+    """Events go out in order through one writer task; the client plays the audio itself,
+    so what it has heard is estimated from the wall clock since the reply's first delta."""
+
+    kind = "websocket"
+
+    def __init__(self, session: RealtimeSession, ws: web.WebSocketResponse) -> None:
+        self.session = session
+        self.ws = ws
+        self.resampler = Upsampler(session.vocoder_rate, OUTPUT_RATE)
+        self._out: asyncio.Queue[str] = asyncio.Queue()
+        self._writer = session.spawn(self._write(), f"ws-out-{session.call_id}")
+
+    def send_event(self, event: dict[str, Any]) -> None:
+        if self._out.qsize() >= MAX_QUEUED_EVENTS:
+            self.session.spawn(self.session.close("client not reading its events"), "close")
+            return
+        self._out.put_nowait(json.dumps(event))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.ws.send_str(await self._out.get())
+        except (ConnectionError, RuntimeError):
+            await self.session.close("websocket write failed")
+
+    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None:
+        if response.playback_start is None:
+            self.resampler.reset()
+            response.playback_start = time.monotonic()
+        self._delta(response, self.resampler.convert(pcm))
+
+    def _delta(self, response: ActiveResponse, pcm24k: np.ndarray) -> None:
+        if len(pcm24k):
+            self.send_event(
+                ev.event(
+                    "response.output_audio.delta",
+                    response_id=response.response_id,
+                    item_id=response.item.id,
+                    output_index=0,
+                    content_index=0,
+                    delta=base64.b64encode(pcm24k.astype("<i2").tobytes()).decode(),
+                )
+            )
+
+    def finish(self, response: ActiveResponse) -> None:
+        self._delta(response, self.resampler.flush())
+        self.session.playback_done(response.response_id)  # the client holds the rest
+
+    def clear(self) -> None:
+        self.resampler.reset()
+
+    def heard_samples(self, response: ActiveResponse) -> int:
+        if response.playback_start is None:
+            return 0
+        elapsed = time.monotonic() - response.playback_start
+        return min(response.samples, int(elapsed * self.session.vocoder_rate))
+
+    async def close(self) -> None:
+        # let what is queued (the last events) go out, briefly, then close
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError, RuntimeError):
+            async with asyncio.timeout(1.0):
+                while not self._out.empty() and not self.ws.closed:
+                    await self.ws.send_str(self._out.get_nowait())
+        self._writer.cancel()
+        await self.ws.close()
+
+
+async def serve_websocket(
+    request: web.Request, session: RealtimeSession, ws: web.WebSocketResponse
+) -> None:
+    """Run a prepared WebSocket as `session` until either side closes."""
+    session.bind(WebSocketTransport(session, ws))
+    session.start()
+    try:
+        async for msg in ws:
+            if msg.type is WSMsgType.TEXT:
+                session.on_client_message(msg.data)
+            elif msg.type is WSMsgType.BINARY:
+                session.send(
+                    ev.error("events are JSON text frames, not binary", code="invalid_event")
+                )
+            elif msg.type is WSMsgType.ERROR:
+                break
+    finally:
+        await session.close("websocket closed")
+
+
+def websocket_response() -> web.WebSocketResponse:
+    # answers the "realtime" subprotocol when offered (browsers pass the key beside it)
+    return web.WebSocketResponse(
+        protocols=(SUBPROTOCOL,), max_msg_size=MAX_EVENT_BYTES, heartbeat=30
+    )
