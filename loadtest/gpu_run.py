@@ -1,0 +1,616 @@
+"""The GPU run: the whole pipeline with real-size (random-weight) models, measured as callers
+feel it, for each GPU layout side by side in one run.
+
+    python -m loadtest.gpu_run [--layouts one,tp2] [--loads 1,8,32] [--out DIR]
+
+For each layout (`one`: every stage on GPU 0, configs/gpu-one.yaml; `tp2`: vLLM tensor-parallel
+over GPUs 0-1 with Whisper and SpeechT5 on GPU 2, configs/gpu-tp2.yaml, or on GPU 1 where only
+two are present) it starts the stages and the gateway on 127.0.0.1, then:
+- loads of 1, 8 and 32 concurrent WebRTC callers (loadtest.conversation: real aiortc peers in
+  processes of their own, real Opus) that speak, wait for the agent, and talk over it: turn
+  latency p50/p95 with its breakdown per hop, barge-in latency at the client, and cancel
+  latency (CANCEL to the last stage's ack, the reasoning stage's after vLLM freed the KV);
+- the reasoning stage's inter-token latency with N replies decoding at once, with the vocoder
+  stopped (SIGSTOP: no GPU work but vLLM's) and with it synthesizing every reply.
+Hops come from the CLOCK_MONOTONIC stamps of the ring records, read where the gateway receives
+them, joined with the callers' own clock readings (one host, one clock). The models have
+RANDOM WEIGHTS (loadtest.gpu_models): the figures are timings, not quality. Prints a table and
+writes JSON (results.json) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Stage processes are spawned and re-import this module as __mp_main__: keep torch, vLLM and
+# CUDA out of the imports above, so that nothing initialises CUDA before a stage's
+# CUDA_VISIBLE_DEVICES is set.
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+LAYOUT_CONFIGS = {"one": "gpu-one.yaml", "tp2": "gpu-tp2.yaml"}
+CALLERS_PER_PROCESS = 8
+QUESTION = "tell me about the weather today"
+
+HOPS = (
+    ("vad_decision", "end_of_speech", "speech_stopped"),
+    ("encoder", "speech_stopped", "transcript"),
+    ("first_token", "transcript", "first_token"),
+    ("first_phrase", "first_token", "first_phrase"),
+    ("first_audio_chunk", "first_phrase", "first_audio_chunk"),
+    ("playout", "first_audio_chunk", "first_audio_heard"),
+)
+
+
+def log(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 2) if values else None
+
+
+def summary(values: list[float], *qs: float) -> dict[str, float | int | None]:
+    out: dict[str, float | int | None] = {f"p{q:g}": pct(values, q) for q in qs}
+    out["n"] = len(values)
+    out["max"] = round(max(values), 2) if values else None
+    return out
+
+
+# -- what the gateway receives from the stages -------------------------------------------
+
+
+@dataclass(slots=True)
+class Seen:
+    """A stage record as the gateway received it."""
+
+    recv_ns: int  # when the gateway's reader thread had it
+    call_id: str | None
+    session: int
+    stage: str
+    kind: Any  # stages.messages.Kind
+    t_ns: int  # the record's stamp: when the stage pushed it
+    msg: Any  # None for audio
+    cancel_sent_ns: int | None = None
+
+
+@dataclass
+class Tap:
+    """Records every stage record the gateway receives, before the gateway handles it.
+
+    Installed on `Gateway._on_stage_event` (the ring readers' callback) before the app starts;
+    reads the call's `cancels` to pair each CANCEL_ACK with the time its CANCEL was sent.
+    """
+
+    gateway: Any
+    seen: list[Seen] = field(default_factory=list)
+    _waiters: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self) -> None:
+        from stages.messages import Kind
+
+        original = self.gateway._on_stage_event
+        self._loop = asyncio.get_running_loop()
+
+        def tapped(event: Any) -> None:
+            call = self.gateway.by_session.get(event.session)
+            sent = None
+            if event.kind is Kind.CANCEL_ACK:
+                sent = getattr(call, "cancels", {}).get(event.msg.cancel_id)
+            msg = None if event.kind in (Kind.AUDIO_OUT,) else event.msg
+            self.seen.append(
+                Seen(
+                    time.monotonic_ns(),
+                    getattr(call, "call_id", None),
+                    event.session,
+                    event.stage,
+                    event.kind,
+                    event.t_ns,
+                    msg,
+                    sent,
+                )
+            )
+            if event.kind is Kind.RESPONSE_DONE and event.msg.response_id in self._waiters:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._finished, event.msg.response_id)
+            original(event)
+
+        self.gateway._on_stage_event = tapped
+
+    def _finished(self, response_id: str) -> None:
+        waiter = self._waiters.pop(response_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def expect_done(self, response_id: str) -> asyncio.Future[None]:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[response_id] = waiter
+        return waiter
+
+    def since(self, mark: int) -> list[Seen]:
+        return self.seen[mark:]
+
+
+# -- joining the callers' turns with the stage records -----------------------------------
+
+
+def stage_milestones(seen: list[Seen]) -> dict[str, Any]:
+    """Per call: final transcripts, and per response its milestones (ring stamps, ns)."""
+    from stages.messages import Kind
+
+    calls: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {"finals": [], "responses": {}, "by_turn": {}}
+    )
+    phrase_of: dict[tuple[str | None, int], str] = {}  # (call, session) -> response speaking
+    for s in seen:
+        c = calls[s.call_id or f"session-{s.session}"]
+        if s.kind is Kind.TRANSCRIPT and s.msg.final:
+            c["finals"].append((s.msg.speech_stopped_ns, s.t_ns, s.msg.turn_id))
+        elif s.kind is Kind.RESPONSE_STARTED and s.stage == "reasoning":
+            c["responses"].setdefault(s.msg.response_id, {"deltas": []})["started"] = s.t_ns
+            c["by_turn"][s.msg.turn_id] = s.msg.response_id
+        elif s.kind is Kind.TEXT_DELTA and s.stage == "reasoning":
+            c["responses"].setdefault(s.msg.response_id, {"deltas": []})["deltas"].append(s.t_ns)
+        elif s.kind is Kind.PHRASE:
+            r = c["responses"].setdefault(s.msg.response_id, {"deltas": []})
+            r.setdefault("first_phrase", s.t_ns)
+            phrase_of[(s.call_id, s.session)] = s.msg.response_id
+        elif s.kind is Kind.AUDIO_OUT:
+            rid = phrase_of.get((s.call_id, s.session))
+            r = c["responses"].get(rid) if rid else None
+            if r is not None and "first_audio_chunk" not in r:
+                r["first_audio_chunk"] = s.t_ns
+                r["first_audio_at_gateway"] = s.recv_ns
+    return calls
+
+
+def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str, float]]:
+    """Each caller turn's milestones (ns) joined with the stages': a dict of hop -> ms."""
+    calls = stage_milestones(seen)
+    turns = []
+    for report in reports:
+        c = calls.get(report["call_id"])
+        for turn in report["turns"]:
+            if turn.get("first_audio") is None:
+                continue
+            t = {
+                "end_of_speech": int(turn["end_of_speech"] * 1e9),
+                "first_audio_heard": int(turn["first_audio"] * 1e9),
+            }
+            final = None
+            if c is not None:
+                final = min(
+                    (f for f in c["finals"] if f[0] >= t["end_of_speech"]),
+                    default=None,
+                    key=lambda f: f[0],
+                )
+            if final is not None:
+                t["speech_stopped"], t["transcript"] = final[0], final[1]
+                r = c["responses"].get(c["by_turn"].get(final[2], ""), {})
+                if r.get("deltas"):
+                    t["first_token"] = r["deltas"][0]
+                for key in ("first_phrase", "first_audio_chunk"):
+                    if key in r:
+                        t[key] = r[key]
+            hops = {"turn": (t["first_audio_heard"] - t["end_of_speech"]) / 1e6}
+            for name, a, b in HOPS:
+                if a in t and b in t:
+                    hops[name] = (t[b] - t[a]) / 1e6
+            turns.append(hops)
+    return turns
+
+
+def cancel_latencies(seen: list[Seen]) -> dict[str, list[float]]:
+    """CANCEL to each stage's ack and to the last one (ms), for cancels all three acked."""
+    from stages.messages import Kind
+
+    acks: dict[tuple[str | None, int], dict[str, Any]] = defaultdict(dict)
+    for s in seen:
+        if s.kind is Kind.CANCEL_ACK and s.cancel_sent_ns is not None:
+            a = acks[(s.call_id, s.msg.cancel_id)]
+            a["sent"] = s.cancel_sent_ns
+            a[s.msg.stage] = s.msg.t_ns
+    out: dict[str, list[float]] = defaultdict(list)
+    for a in acks.values():
+        stages = [k for k in a if k != "sent"]
+        for stage in stages:
+            out[stage].append((a[stage] - a["sent"]) / 1e6)
+        if len(stages) == 3:
+            out["last_ack"].append((max(a[k] for k in stages) - a["sent"]) / 1e6)
+    return out
+
+
+def inter_token_ms(seen: list[Seen], response_ids: set[str] | None = None) -> list[float]:
+    """Intervals between consecutive text deltas of each reply (reasoning's ring stamps)."""
+    from stages.messages import Kind
+
+    stamps: dict[str, list[int]] = defaultdict(list)
+    for s in seen:
+        if s.kind is not Kind.TEXT_DELTA or s.stage != "reasoning":
+            continue
+        if response_ids is None or s.msg.response_id in response_ids:
+            stamps[s.msg.response_id].append(s.t_ns)
+    return [(b - a) / 1e6 for ts in stamps.values() for a, b in itertools.pairwise(ts)]
+
+
+def load_figures(
+    reports: list[dict[str, Any]], seen: list[Seen], silence_ms: int
+) -> dict[str, Any]:
+    turns = turn_hops(reports, seen)
+    total = [t["turn"] for t in turns]
+    barge = [
+        (t["agent_stopped"] - t["onset"]) * 1000
+        for r in reports
+        for t in r["turns"]
+        if t.get("agent_stopped") is not None
+    ]
+    cancels = cancel_latencies(seen)
+    return {
+        "callers": len(reports),
+        "turns_answered": len(total),
+        "turns_asked": sum(len(r["turns"]) for r in reports),
+        "errors": [r["error"] for r in reports if r["error"]],
+        "turn_ms": summary(total, 50, 95),
+        "turn_beyond_vad_window_ms": summary([x - silence_ms for x in total], 50, 95),
+        "hops_ms": {
+            name: summary([t[name] for t in turns if name in t], 50, 95) for name, _, _ in HOPS
+        },
+        "barge_in_at_client_ms": summary(barge, 50, 95),
+        "cancel_ms": {k: summary(v, 50, 99) for k, v in sorted(cancels.items())},
+        "inter_token_ms_during_calls": summary(inter_token_ms(seen), 50, 99),
+    }
+
+
+# -- running a layout --------------------------------------------------------------------
+
+
+def _callers_process(base: str, n: int, speech: np.ndarray, turns: int, seed: int, conn) -> None:
+    from loadtest.conversation import run_conversations
+
+    conn.send(run_conversations(base, n, speech, turns, seed=seed))
+
+
+async def run_callers(base: str, n: int, speech: np.ndarray, turns: int) -> list[dict[str, Any]]:
+    """`n` conversations from processes of CALLERS_PER_PROCESS callers each."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for i in range(math.ceil(n / CALLERS_PER_PROCESS)):
+        k = min(CALLERS_PER_PROCESS, n - i * CALLERS_PER_PROCESS)
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_callers_process, args=(base, k, speech, turns, i, child))
+        proc.start()
+        child.close()
+        procs.append((proc, parent))
+    reports: list[dict[str, Any]] = []
+    budget = 60 + turns * 45
+    try:
+        for _, parent in procs:
+            if await asyncio.to_thread(parent.poll, budget):
+                reports.extend(parent.recv())
+            else:
+                log(f"a callers' process sent no report within {budget} s")
+    finally:
+        for proc, _ in procs:
+            await asyncio.to_thread(proc.join, 30)
+            if proc.is_alive():
+                proc.kill()
+    return reports
+
+
+async def calls_gone(gateway: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while gateway.calls and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # polling the gateway's bookkeeping between loads
+
+
+async def measure_itl(
+    gateway: Any, tap: Tap, vocoder_pid: int, streams: int, rounds: int
+) -> dict[str, Any]:
+    """Inter-token latency with `streams` replies decoding at once, vocoder stopped vs busy."""
+    link = gateway.link
+    out: dict[str, Any] = {}
+    for mode in ("vocoder_idle", "vocoder_synthesizing"):
+        sessions = [link.open_session() for _ in range(streams)]
+        ids: set[str] = set()
+        ttft: list[float] = []
+        mark = len(tap.seen)
+        if mode == "vocoder_idle":
+            os.kill(vocoder_pid, signal.SIGSTOP)
+        try:
+            for r in range(rounds):
+                waits, sent = [], {}
+                for s in sessions:
+                    rid = f"itl-{mode}-{streams}-{r}-{s}"
+                    ids.add(rid)
+                    waits.append(tap.expect_done(rid))
+                    sent[rid] = time.monotonic_ns()
+                    link.create_response(s, rid)
+                await asyncio.wait_for(asyncio.gather(*waits), 120)
+                firsts = _first_deltas(tap.since(mark), set(sent))
+                ttft += [(firsts[r] - sent[r]) / 1e6 for r in sent if r in firsts]
+        finally:
+            for s in sessions:
+                link.cancel(s, reason="itl_done")  # the vocoder's backlog becomes stale
+            if mode == "vocoder_idle":
+                os.kill(vocoder_pid, signal.SIGCONT)
+            for s in sessions:
+                link.close_session(s)
+        out[mode] = {
+            "inter_token_ms": summary(inter_token_ms(tap.since(mark), ids), 50, 99),
+            "ttft_ms": summary(ttft, 50, 99),
+        }
+    return out
+
+
+def _first_deltas(seen: list[Seen], ids: set[str]) -> dict[str, int]:
+    from stages.messages import Kind
+
+    first: dict[str, int] = {}
+    for s in seen:
+        if s.kind is Kind.TEXT_DELTA and s.msg.response_id in ids:
+            first.setdefault(s.msg.response_id, s.t_ns)
+    return first
+
+
+async def measure_layout(
+    config: Any, supervisor: Any, speech: np.ndarray, args: argparse.Namespace
+) -> dict[str, Any]:
+    from aiohttp import web
+
+    from gateway import aiortc_tuning
+    from gateway.app import gateway_of
+    from gateway.ice import restrict_host_addresses
+    from gateway.server import build_app, prepare_media
+
+    prepare_media(config)
+    app = build_app(config, supervisor)
+    gateway = gateway_of(app)
+    tap = Tap(gateway)
+    tap.install()
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = "http://{}:{}".format(*runner.addresses[0][:2])
+    silence_ms = config.gateway.turn_detection.silence_duration_ms
+    out: dict[str, Any] = {"loads": {}, "inter_token": {}}
+    try:
+        log("warm-up: one caller, two turns (not counted)")
+        await run_callers(base, 1, speech, 2)
+        await calls_gone(gateway)
+        for n in args.loads:
+            turns = args.turns_single if n == 1 else args.turns
+            log(f"{n} caller(s), {turns} turns each")
+            mark = len(tap.seen)
+            t0 = time.monotonic()
+            try:
+                reports = await run_callers(base, n, speech, turns)
+                figures = load_figures(reports, tap.since(mark), silence_ms)
+            except Exception as exc:  # the other loads still run; the failure is reported
+                log(f"{n} callers failed: {type(exc).__name__}: {exc}")
+                figures = {"error": f"{type(exc).__name__}: {exc}"}
+            figures["wall_s"] = round(time.monotonic() - t0, 1)
+            out["loads"][str(n)] = figures
+            log(f"{n} callers: {json.dumps(figures)}")
+            await calls_gone(gateway)
+        vocoder_pid = supervisor.stages["vocoder"].process.pid
+        for n in args.itl_streams:
+            log(f"inter-token latency, {n} replies at once")
+            try:
+                out["inter_token"][str(n)] = await measure_itl(gateway, tap, vocoder_pid, n, 3)
+            except Exception as exc:
+                log(f"inter-token run failed: {type(exc).__name__}: {exc}")
+                out["inter_token"][str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"{n} replies: {json.dumps(out['inter_token'][str(n)])}")
+    finally:
+        await runner.cleanup()
+        aiortc_tuning.restore()
+        restrict_host_addresses(None)
+    return out
+
+
+def layout_config(name: str, models: Any, gpu_count: int, device: str) -> tuple[Any, list[str]]:
+    """The layout's configuration with the built models' folders; notes on what was changed."""
+    from gateway.config import GatewayConfig, load_config
+
+    notes = []
+    overrides: dict[str, Any] = {
+        "encoder.model": models.whisper,
+        "reasoning.model": models.chat,
+        "vocoder.model": models.speecht5,
+        "vocoder.vocoder": models.hifigan,
+        "gateway.port": 0,
+    }
+    if "auth" in GatewayConfig.model_fields:  # callers on 127.0.0.1 carry no API key
+        overrides["gateway.auth.enabled"] = False
+    if name == "tp2" and gpu_count == 2:
+        overrides["encoder.gpus"] = overrides["vocoder.gpus"] = [1]
+        notes.append("only 2 GPUs: encoder and vocoder share GPU 1 with vLLM's second shard")
+    if device == "cpu":  # trying the script without a GPU: the CPU build of vLLM, tiny models
+        for stage in ("encoder", "vocoder"):
+            overrides |= {f"{stage}.device": "cpu", f"{stage}.gpus": None}
+            overrides[f"{stage}.gpu_memory_fraction"] = None
+        overrides["encoder.options"] = {"max_new_tokens": 8}
+        overrides["vocoder.options"] = {"maxlenratio": 4.0}
+        overrides["reasoning.gpus"] = None
+        overrides["reasoning.engine_args"] = {
+            "enforce_eager": True,
+            "max_model_len": 1024,
+            "max_num_seqs": 32,
+            "kv_cache_memory_bytes": 256 << 20,
+        }
+        notes.append("CPU try-out: every stage on the CPU, tiny models")
+    return load_config(CONFIGS / LAYOUT_CONFIGS[name], overrides), notes
+
+
+def run_layout(name: str, models: Any, speech: np.ndarray, args: argparse.Namespace) -> dict:
+    from stages.supervisor import Supervisor
+
+    config, notes = layout_config(name, models, args.gpu_count, args.device)
+    out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
+    t0 = time.monotonic()
+    with Supervisor(config) as supervisor:
+        supervisor.start(progress=log)
+        out["start_s"] = round(time.monotonic() - t0, 1)
+        out["placement"] = {
+            s: {k: v for k, v in p.info.items() if k != "pid"} for s, p in supervisor.stages.items()
+        }
+        out["gpu_processes"] = _nvidia_smi(
+            "--query-compute-apps=pid,used_gpu_memory,gpu_bus_id", "--format=csv,noheader"
+        )
+        out |= asyncio.run(measure_layout(config, supervisor, speech, args))
+    return out
+
+
+# -- the machine and the caller's voice --------------------------------------------------
+
+
+def _nvidia_smi(*args: str) -> list[str]:
+    try:
+        done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+
+def describe_machine() -> dict[str, Any]:
+    from importlib import metadata
+
+    versions = {}
+    for dist in ("torch", "vllm", "transformers", "aiortc", "av"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[dist] = metadata.version(dist)
+    return {
+        "gpus": _nvidia_smi("-L"),
+        "driver": _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")[:1],
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "versions": versions,
+    }
+
+
+def caller_speech() -> np.ndarray:
+    """The caller's question spoken by espeak-ng (from its wheel), 48 kHz, leading silence cut."""
+    from stages.audio import resample
+    from stages.backends.tts_espeak import load_espeak
+
+    voice = load_espeak(voice="en-us")
+    pcm = np.concatenate(list(voice.synthesize(QUESTION)))
+    start = int(np.argmax(np.abs(pcm) > 500))
+    return resample(pcm[start:], voice.sample_rate, 48000)
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def table(results: dict[str, Any]) -> str:
+    def f(x: Any) -> str:
+        return "-" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+    lines = [
+        "| layout | callers | turn p50 / p95 ms | beyond VAD p95 | "
+        + " | ".join(f"{h} p50" for h, _, _ in HOPS)
+        + " | barge-in p50 / p95 | cancel p50 / p99 | ITL p50 / p99 |",
+        "|---|---:|---:|---:|" + "---:|" * len(HOPS) + "---:|---:|---:|",
+    ]
+    for name, layout in results["layouts"].items():
+        for n, load in layout.get("loads", {}).items():
+            if "error" in load:
+                lines.append(f"| {name} | {n} | failed: {load['error']} |")
+                continue
+            t, b = load["turn_ms"], load["barge_in_at_client_ms"]
+            c = load["cancel_ms"].get("last_ack", {})
+            i = load["inter_token_ms_during_calls"]
+            lines.append(
+                f"| {name} | {n} | {f(t['p50'])} / {f(t['p95'])} "
+                f"| {f(load['turn_beyond_vad_window_ms']['p95'])} | "
+                + " | ".join(f(load["hops_ms"][h]["p50"]) for h, _, _ in HOPS)
+                + f" | {f(b['p50'])} / {f(b['p95'])} | {f(c.get('p50'))} / {f(c.get('p99'))}"
+                f" | {f(i['p50'])} / {f(i['p99'])} |"
+            )
+    lines += ["", "| layout | replies at once | vocoder | ITL p50 / p99 ms | TTFT p50 ms |"]
+    lines.append("|---|---:|---|---:|---:|")
+    for name, layout in results["layouts"].items():
+        for n, modes in layout.get("inter_token", {}).items():
+            if "error" in modes:
+                lines.append(f"| {name} | {n} | failed: {modes['error']} |")
+                continue
+            for mode, m in modes.items():
+                i = m["inter_token_ms"]
+                lines.append(
+                    f"| {name} | {n} | {mode.removeprefix('vocoder_')} | "
+                    f"{f(i['p50'])} / {f(i['p99'])} | {f(m['ttft_ms']['p50'])} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    parser.add_argument("--layouts", default=None, help="one,tp2 (default: what the GPUs allow)")
+    parser.add_argument("--loads", type=ints, default=[1, 8, 32])
+    parser.add_argument("--turns", type=int, default=4, help="turns per caller under load")
+    parser.add_argument("--turns-single", type=int, default=8, help="turns of a lone caller")
+    parser.add_argument("--itl-streams", type=ints, default=[8, 32])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
+    parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
+    args = parser.parse_args(argv)
+    from loadtest.gpu_models import describe, ensure_models
+    from stages.placement import count_gpus
+
+    args.gpu_count = count_gpus() if args.device == "cuda" else 0
+    layouts = (args.layouts or ("one,tp2" if args.gpu_count >= 2 else "one")).split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m loadtest.gpu_run " + " ".join(argv or sys.argv[1:]),
+        "machine": describe_machine(),
+        "random_weights": "every model has random weights of a real shape: timings, not quality",
+        "layouts": {},
+    }
+    log(f"machine: {results['machine']['gpus'] or 'no GPU'}; layouts {layouts}")
+    t0 = time.monotonic()
+    models = ensure_models(
+        args.models_root, args.device, args.preset or ("real" if args.device == "cuda" else "tiny")
+    )
+    results["models"] = {"build_s": round(time.monotonic() - t0, 1), **describe(models)}
+    log(f"models ready in {results['models']['build_s']} s")
+    speech = caller_speech()
+    results["caller_speech_s"] = round(len(speech) / 48000, 2)
+    for name in layouts:
+        log(f"layout {name}: {LAYOUT_CONFIGS[name]}")
+        try:
+            results["layouts"][name] = run_layout(name, models, speech, args)
+        except Exception as exc:  # the other layout still runs; the failure is reported
+            log(f"layout {name} failed: {type(exc).__name__}: {exc}")
+            results["layouts"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    print(table(results), flush=True)
+    (args.out / "table.md").write_text(table(results) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

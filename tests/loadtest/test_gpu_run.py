@@ -1,0 +1,146 @@
+"""The GPU run's CPU side: its layouts against the placement checks, and how it joins the
+callers' clock readings with the ring records' stamps into hops, cancels and inter-token
+intervals. No GPU and no model: records are made up with known times."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from loadtest.conversation import FRAME, WatchedSpeaker, last_voiced_frame
+from loadtest.gpu_run import (
+    Seen,
+    cancel_latencies,
+    inter_token_ms,
+    layout_config,
+    load_figures,
+    turn_hops,
+)
+from stages.messages import CancelAck, Kind, Phrase, ResponseStarted, TextDelta, Transcript
+from stages.placement import PlacementError, plan
+
+MODELS = SimpleNamespace(whisper="w", chat="c", speecht5="t", hifigan="h")
+MS = 1_000_000
+
+
+def test_one_gpu_layout_puts_every_stage_on_gpu_0() -> None:
+    config, notes = layout_config("one", MODELS, gpu_count=1, device="cuda")
+    placements = plan(config, gpu_count=1, environ={})
+    assert {p.env["CUDA_VISIBLE_DEVICES"] for p in placements.values()} == {"0"}
+    assert not notes
+
+
+def test_tp2_layout_on_two_gpus_shares_the_second_with_encoder_and_vocoder() -> None:
+    config, notes = layout_config("tp2", MODELS, gpu_count=2, device="cuda")
+    placements = plan(config, gpu_count=2, environ={})
+    assert placements["reasoning"].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert placements["encoder"].env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert placements["vocoder"].env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert config.reasoning.engine_args["tensor_parallel_size"] == 2
+    assert "share GPU 1" in notes[0]
+
+
+def test_tp2_layout_as_written_needs_three_gpus() -> None:
+    config, _ = layout_config("tp2", MODELS, gpu_count=3, device="cuda")
+    assert plan(config, gpu_count=3, environ={})["vocoder"].env["CUDA_VISIBLE_DEVICES"] == "2"
+    with pytest.raises(PlacementError, match="encoder is placed on GPU 2"):
+        plan(config, gpu_count=2, environ={})
+
+
+def test_cpu_try_out_layout_needs_no_gpu() -> None:
+    config, _ = layout_config("one", MODELS, gpu_count=0, device="cpu")
+    assert all(p.gpus is None for p in plan(config, gpu_count=0, environ={}).values())
+
+
+def seen(t_ms: float, stage: str, kind: Kind, msg, call="call-a", sent=None) -> Seen:
+    t = int(t_ms * MS)
+    return Seen(t + 1, call, 1, stage, kind, t, msg, sent)
+
+
+def one_turn() -> tuple[list[dict], list[Seen]]:
+    """A caller stops speaking at 1000 ms and hears the agent at 1900 ms."""
+    reports = [
+        {
+            "call_id": "call-a",
+            "error": None,
+            "turns": [{"onset": 0.0, "end_of_speech": 1.0, "first_audio": 1.9}],
+        }
+    ]
+    records = [
+        # an earlier turn of the same call, before this end of speech: not this turn's
+        seen(500, "encoder", Kind.TRANSCRIPT, Transcript(1, "x", True, True, int(400 * MS))),
+        seen(1560, "encoder", Kind.TRANSCRIPT, Transcript(2, "hi", True, True, int(1500 * MS))),
+        seen(1561, "reasoning", Kind.RESPONSE_STARTED, ResponseStarted("r2", 2)),
+        seen(1580, "reasoning", Kind.TEXT_DELTA, TextDelta("r2", "a", 0)),
+        seen(1585, "reasoning", Kind.TEXT_DELTA, TextDelta("r2", " b", 1)),
+        seen(1595, "reasoning", Kind.TEXT_DELTA, TextDelta("r2", " c", 2)),
+        seen(1600, "vocoder", Kind.PHRASE, Phrase("r2", "a b c", 16000)),
+        seen(1700, "vocoder", Kind.AUDIO_OUT, None),
+        seen(1800, "vocoder", Kind.AUDIO_OUT, None),
+    ]
+    return reports, records
+
+
+def test_a_turn_is_split_into_its_hops() -> None:
+    (hops,) = turn_hops(*one_turn())
+    assert hops == pytest.approx(
+        {
+            "turn": 900,
+            "vad_decision": 500,
+            "encoder": 60,
+            "first_token": 20,
+            "first_phrase": 20,
+            "first_audio_chunk": 100,
+            "playout": 200,
+        }
+    )
+    assert sum(v for k, v in hops.items() if k != "turn") == pytest.approx(hops["turn"])
+
+
+def test_load_figures_subtract_the_vad_window_and_time_tokens() -> None:
+    figures = load_figures(*one_turn(), silence_ms=500)
+    assert figures["turn_ms"]["p50"] == 900
+    assert figures["turn_beyond_vad_window_ms"]["p95"] == 400
+    assert figures["inter_token_ms_during_calls"]["n"] == 2
+    assert figures["turns_answered"] == figures["turns_asked"] == 1
+
+
+def test_cancel_latency_is_to_the_last_of_three_acks() -> None:
+    sent = 10 * MS
+    acks = [
+        seen(11, "gateway", Kind.CANCEL_ACK, CancelAck(7, stage, int(t * MS)), sent=sent)
+        for stage, t in (("encoder", 11), ("vocoder", 12), ("reasoning", 15))
+    ]
+    # a cancel only two stages answered has no last ack
+    acks.append(
+        seen(30, "gateway", Kind.CANCEL_ACK, CancelAck(8, "encoder", 31 * MS), sent=30 * MS)
+    )
+    out = cancel_latencies(acks)
+    assert out["last_ack"] == [pytest.approx(5.0)]
+    assert out["reasoning"] == [pytest.approx(5.0)] and out["encoder"] == [1.0, 1.0]
+
+
+def test_inter_token_intervals_are_per_reply() -> None:
+    records = [
+        seen(t, "reasoning", Kind.TEXT_DELTA, TextDelta(rid, "x", 0))
+        for rid, t in (("a", 0), ("b", 1), ("a", 5), ("b", 7), ("a", 9))
+    ]
+    assert sorted(inter_token_ms(records)) == pytest.approx([4, 5, 6])
+    assert sorted(inter_token_ms(records, {"b"})) == pytest.approx([6])
+
+
+def test_end_of_speech_is_the_frame_of_the_last_voiced_sample() -> None:
+    clip = np.zeros(FRAME * 10, np.int16)
+    clip[FRAME * 6 + 5] = 4000
+    assert last_voiced_frame(clip) == 6
+
+
+def test_the_agent_counts_as_stopped_once_200_ms_are_silent() -> None:
+    speaker = WatchedSpeaker()
+    levels = [500.0] * 5 + [10.0] * 3 + [500.0] + [10.0] * 12
+    speaker.arrivals = [0.02 * i for i in range(len(levels))]
+    speaker.levels = levels
+    assert speaker.stopped_after(0.0) == pytest.approx(0.02 * 9)
+    assert speaker.stopped_after(0.3) is None
