@@ -12,6 +12,7 @@ from gateway import aiortc_tuning
 from gateway.app import create_app
 from gateway.config import OmniConfig
 from gateway.ice import restrict_host_addresses
+from gateway.page import add_page_routes
 from stages.supervisor import Supervisor
 
 
@@ -23,7 +24,9 @@ def prepare_media(config: OmniConfig) -> None:
 
 def build_app(config: OmniConfig, supervisor: Supervisor) -> web.Application:
     rate = int(supervisor.stages["vocoder"].info["sample_rate"])
-    return create_app(config, supervisor.names, rate, lambda: supervisor.healthy)
+    app = create_app(config, supervisor.names, rate, lambda: supervisor.healthy)
+    add_page_routes(app)  # the demo page at /
+    return app
 
 
 async def serve(
