@@ -9,10 +9,12 @@ want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
 apt_packages=()
-# espeak-ng and sox make the speech files the tests speak; libopus0 backs opuslib
+# espeak-ng and sox make the speech files the tests speak; libopus0 backs opuslib; the demo
+# page's tests drive Debian's chromium through Playwright (never `playwright install`)
 if (( want_test )); then
   command -v espeak-ng >/dev/null || apt_packages+=(espeak-ng)
   command -v sox >/dev/null || apt_packages+=(sox)
+  command -v chromium >/dev/null || apt_packages+=(chromium)
 fi
 if (( ${#apt_packages[@]} )); then
   echo "setup: installing Debian packages: ${apt_packages[*]}"
