@@ -1,0 +1,401 @@
+"""OpenAI Realtime conformance, driven by the official `openai` SDK over the WebSocket API,
+against the real gateway and stages (pocketsphinx, vLLM on the tiny model, espeak-ng), with
+API keys on. Also the HTTP side: client secrets, /v1/audio/speech, auth failures."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+import wave
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from openai import AsyncOpenAI
+
+from gateway import aiortc_tuning
+from gateway.client import RealtimeCall
+from gateway.config import load_config
+from gateway.ice import restrict_host_addresses
+from gateway.server import build_app, prepare_media
+from stages.audio import resample
+from stages.supervisor import Supervisor
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+
+OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+KEY = "sk-omni-test-key"
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(
+        OFFLINE,
+        {
+            "reasoning.sampling": {"max_tokens": 24, "ignore_eos": True},
+            "gateway.auth": {"enabled": True, "api_keys": [KEY], "api_keys_env": None},
+            "gateway.port": 0,
+            "max_sessions": 8,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def supervisor(config) -> Iterator[Supervisor]:
+    with Supervisor(config) as sup:
+        sup.start()
+        yield sup
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def base(config, supervisor) -> AsyncIterator[str]:
+    prepare_media(config)
+    runner = web.AppRunner(build_app(config, supervisor))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}"
+    await runner.cleanup()
+    aiortc_tuning.restore()
+    restrict_host_addresses(None)
+
+
+def sdk(base: str, key: str = KEY) -> AsyncOpenAI:
+    return AsyncOpenAI(
+        api_key=key, base_url=f"{base}/v1", websocket_base_url=base.replace("http", "ws") + "/v1"
+    )
+
+
+class Events:
+    """What a connection received, as dicts, with waits that skip what they do not want."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.seen: list[dict[str, Any]] = []
+
+    async def next(self, *types: str, timeout: float = 30) -> dict[str, Any]:
+        """The next event of one of `types`; an unexpected `error` fails the test."""
+        async with asyncio.timeout(timeout):
+            while True:
+                event = (await self.conn.recv()).to_dict()
+                self.seen.append(event)
+                if event["type"] in types:
+                    return event
+                assert event["type"] != "error", f"server error: {event['error']}"
+
+    def types(self) -> list[str]:
+        return [e["type"] for e in self.seen]
+
+
+def pcm24k_b64(pcm16k: np.ndarray, chunk_ms: int = 100) -> list[str]:
+    pcm = resample(pcm16k, 16000, 24000).astype("<i2")
+    step = 24 * chunk_ms
+    return [
+        base64.b64encode(pcm[i : i + step].tobytes()).decode() for i in range(0, len(pcm), step)
+    ]
+
+
+def decode_audio(deltas: list[dict[str, Any]]) -> np.ndarray:
+    raw = b"".join(base64.b64decode(d["delta"]) for d in deltas)
+    return np.frombuffer(raw, dtype="<i2")
+
+
+async def text_turn(conn: Any, events: Events, text: str, **response: Any) -> dict[str, Any]:
+    await conn.conversation.item.create(
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
+    added = await events.next("conversation.item.added")
+    assert added["item"]["role"] == "user" and added["item"]["content"][0]["text"] == text
+    await conn.response.create(response=response or None)
+    return await events.next("response.created")
+
+
+async def test_session_update_applies_and_refuses_what_is_not_built(base) -> None:
+    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+        events = Events(conn)
+        created = await events.next("session.created")
+        assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "instructions": "Answer in three words.",
+                "audio": {
+                    "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 400}}
+                },
+            }
+        )
+        updated = (await events.next("session.updated"))["session"]
+        assert updated["instructions"] == "Answer in three words."
+        assert updated["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 400
+
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"output": {"voice": "alloy"}}},
+            event_id="evt_voice",
+        )
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_voice" and "voice" in error["param"]
+        assert "en-us" in error["message"]  # names what this gateway speaks instead
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"turn_detection": {"threshold": 7}}}},
+            event_id="evt_threshold",
+        )
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_threshold" and "threshold" in error["param"]
+        # a refused update changed nothing
+        await conn.session.update(session={"type": "realtime"})
+        again = (await events.next("session.updated"))["session"]
+        assert again["audio"]["output"]["voice"] == "en-us"
+        assert again["audio"]["input"]["turn_detection"]["threshold"] == 0.5
+
+
+async def test_spoken_turn(base, make_speech) -> None:
+    speech = make_speech("what is the weather like today in paris")
+    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+        events = Events(conn)
+        await events.next("session.created")
+        for chunk in pcm24k_b64(speech.pcm16):
+            await conn.input_audio_buffer.append(audio=chunk)
+        silence = np.zeros(16000, np.int16)  # end of turn for the VAD
+        for chunk in pcm24k_b64(silence):
+            await conn.input_audio_buffer.append(audio=chunk)
+        started = await events.next("input_audio_buffer.speech_started")
+        stopped = await events.next("input_audio_buffer.speech_stopped")
+        assert stopped["audio_end_ms"] > started["audio_start_ms"]
+        committed = await events.next("input_audio_buffer.committed")
+        user_item = committed["item_id"]
+        transcript = await events.next("conversation.item.input_audio_transcription.completed")
+        assert transcript["item_id"] == user_item and transcript["transcript"]
+        created = await events.next("response.created")
+        rid = created["response"]["id"]
+        await events.next("response.output_item.added")
+        first = await events.next("response.output_audio.delta")
+        assert first["response_id"] == rid
+        done = await events.next("response.done", timeout=60)
+        assert done["response"]["status"] == "completed"
+        deltas = [e for e in events.seen if e["type"] == "response.output_audio.delta"]
+        audio = decode_audio(deltas)
+        assert len(audio) / 24000 > 0.5 and np.sqrt(np.mean(audio.astype(float) ** 2)) > 300
+        said = "".join(
+            e["delta"] for e in events.seen if e["type"] == "response.output_audio_transcript.delta"
+        )
+        item = done["response"]["output"][0]
+        assert item["role"] == "assistant" and item["content"][0]["transcript"] == said
+        order = events.types()
+        assert order.index("response.output_audio.done") < order.index("response.done")
+        await events.next("rate_limits.updated")
+
+
+async def test_text_turn_with_text_and_with_audio_output(base) -> None:
+    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+        events = Events(conn)
+        await events.next("session.created")
+        await text_turn(conn, events, "tell me a joke", output_modalities=["text"])
+        done = await events.next("response.done", timeout=60)
+        assert done["response"]["status"] == "completed"
+        text = "".join(e["delta"] for e in events.seen if e["type"] == "response.output_text.delta")
+        assert text and done["response"]["output"][0]["content"][0] == {
+            "type": "output_text",
+            "text": text,
+        }
+        assert "response.output_audio.delta" not in events.types()
+
+        await text_turn(conn, events, "and another one")
+        await events.next("response.output_audio.delta")
+        done = await events.next("response.done", timeout=60)
+        assert done["response"]["output_modalities"] == ["audio"]
+
+
+async def test_cancel_mid_response_frees_the_kv_cache(base) -> None:
+    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+        events = Events(conn)
+        await events.next("session.created")
+        # a long text reply, so that the cancel lands while vLLM is still generating it
+        await text_turn(
+            conn, events, "talk for a long time", output_modalities=["text"], max_output_tokens=900
+        )
+        await events.next("response.output_text.delta")
+        await conn.response.cancel()
+        done = await events.next("response.done")
+        assert done["response"]["status"] == "cancelled"
+        assert done["response"]["output"][0]["status"] == "incomplete"
+        acked = await events.next("omni.response.cancelled")
+        assert acked["response_id"] == done["response"]["id"]
+        assert set(acked["stages_ms"]) == {"encoder", "reasoning", "vocoder"}
+        assert acked["kv_cache_usage"] == 0.0  # the aborted request's KV blocks are free
+        # cancelling again is refused, naming why
+        await conn.response.cancel(event_id="evt_again")
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_again" and error["code"] == "response_cancel_not_active"
+
+
+async def test_truncate_cuts_the_item_to_what_was_heard(base) -> None:
+    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+        events = Events(conn)
+        await events.next("session.created")
+        await text_turn(conn, events, "say something")
+        done = await events.next("response.done", timeout=60)
+        item = done["response"]["output"][0]
+        full = item["content"][0]["transcript"]
+        deltas = [e for e in events.seen if e["type"] == "response.output_audio.delta"]
+        length_ms = len(decode_audio(deltas)) * 1000 // 24000
+        assert length_ms > 1000 and len(full.split()) >= 2
+
+        await conn.conversation.item.truncate(
+            item_id=item["id"], content_index=0, audio_end_ms=length_ms + 5000, event_id="evt_far"
+        )
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_far" and error["param"] == "audio_end_ms"
+
+        await conn.conversation.item.truncate(
+            item_id=item["id"], content_index=0, audio_end_ms=length_ms // 3
+        )
+        truncated = await events.next("conversation.item.truncated")
+        assert truncated["item_id"] == item["id"] and truncated["audio_end_ms"] == length_ms // 3
+        await conn.conversation.item.retrieve(item_id=item["id"])
+        kept = (await events.next("conversation.item.retrieved"))["item"]["content"][0]
+        words, heard = full.split(), kept["transcript"].split()
+        assert len(heard) < len(words) and words[: len(heard)] == heard
+
+        await conn.conversation.item.delete(item_id=item["id"])
+        assert (await events.next("conversation.item.deleted"))["item_id"] == item["id"]
+        await conn.conversation.item.retrieve(item_id=item["id"], event_id="evt_gone")
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_gone" and error["code"] == "not_found"
+
+
+async def test_bad_input_gets_errors_and_the_session_goes_on(base) -> None:
+    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+        events = Events(conn)
+        await events.next("session.created")
+        await conn.input_audio_buffer.append(audio="this is not base64!", event_id="evt_b64")
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_b64" and error["code"] == "invalid_audio"
+        await conn.input_audio_buffer.append(
+            audio=base64.b64encode(b"abc").decode(), event_id="evt_odd"
+        )
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_odd" and "odd" in error["message"]
+        await conn.send({"type": "no.such.event", "event_id": "evt_unknown"})
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_unknown" and error["code"] == "unknown_event"
+        await conn.send(
+            {
+                "type": "response.create",
+                "event_id": "evt_tools",
+                "response": {"tools": [{"type": "function", "name": "f"}]},
+            }
+        )
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_tools" and error["param"] == "response.tools"
+        # the connection survived all of it
+        await text_turn(conn, events, "are you still there", output_modalities=["text"])
+        assert (await events.next("response.done", timeout=60))["response"]["status"] == "completed"
+
+
+async def test_manual_turns_commit_and_respond(base, make_speech) -> None:
+    speech = make_speech("please turn on the lights")
+    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+        events = Events(conn)
+        await events.next("session.created")
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+        )
+        assert (await events.next("session.updated"))["session"]["audio"]["input"][
+            "turn_detection"
+        ] is None
+        await conn.input_audio_buffer.commit(event_id="evt_empty")
+        error = (await events.next("error"))["error"]
+        assert (
+            error["event_id"] == "evt_empty" and error["code"] == "input_audio_buffer_commit_empty"
+        )
+        for chunk in pcm24k_b64(speech.pcm16):
+            await conn.input_audio_buffer.append(audio=chunk)
+        await conn.input_audio_buffer.commit()
+        committed = await events.next("input_audio_buffer.committed")
+        # response.create right away: the gateway holds it until the turn is transcribed
+        await conn.response.create(response={"output_modalities": ["text"]})
+        transcript = await events.next("conversation.item.input_audio_transcription.completed")
+        assert transcript["item_id"] == committed["item_id"] and transcript["transcript"]
+        done = await events.next("response.done", timeout=60)
+        assert done["response"]["status"] == "completed"
+        assert "input_audio_buffer.speech_started" not in events.types()
+
+
+async def test_keys_client_secrets_and_their_sessions(base) -> None:
+    with pytest.raises(Exception, match="401"):
+        async with sdk(base, key="sk-wrong").realtime.connect(model="gpt-realtime") as conn:
+            await conn.recv()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/v1/realtime/client_secrets", json={}) as resp:
+            assert resp.status == 401
+            assert (await resp.json())["error"]["code"] == "missing_api_key"
+        async with http.post(
+            f"{base}/v1/realtime/client_secrets",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"session": {"type": "realtime", "audio": {"output": {"speed": 2.0}}}},
+        ) as resp:
+            assert resp.status == 400 and "speed" in (await resp.json())["error"]["param"]
+    async with sdk(base) as client:
+        secret = await client.realtime.client_secrets.create(
+            expires_after={"anchor": "created_at", "seconds": 60},
+            session={"type": "realtime", "instructions": "You are a pirate."},
+        )
+    assert secret.value.startswith("ek_") and secret.expires_at > time.time() + 50
+    async with sdk(base, key=secret.value).realtime.connect(model="gpt-realtime") as conn:
+        created = (await Events(conn).next("session.created"))["session"]
+        assert created["instructions"] == "You are a pirate."
+    # the secret opens WebRTC calls too, but cannot mint more secrets
+    call = await RealtimeCall.connect(base, api_key=secret.value)
+    await call.close()
+    async with sdk(base, key=secret.value) as client:
+        with pytest.raises(Exception, match="401"):
+            await client.realtime.client_secrets.create()
+    with pytest.raises(ConnectionError, match="401"):
+        await RealtimeCall.connect(base, api_key="ek_forged")
+
+
+async def test_speech_endpoint_streams_before_synthesis_ends(base) -> None:
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as http:
+        t0 = time.monotonic()
+        async with http.post(
+            f"{base}/v1/audio/speech",
+            json={"model": "tts", "input": text, "voice": "en-us", "response_format": "pcm"},
+        ) as resp:
+            assert resp.status == 200 and resp.content_type == "audio/pcm"
+            first = await resp.content.readany()
+            t_first = time.monotonic() - t0
+            rest = await resp.read()
+            t_all = time.monotonic() - t0
+        pcm = np.frombuffer(first + rest, dtype="<i2")
+        assert len(pcm) / 24000 > 5 and np.sqrt(np.mean(pcm.astype(float) ** 2)) > 300
+        assert t_first < t_all / 2, (t_first, t_all)
+
+        async with http.post(
+            f"{base}/v1/audio/speech",
+            json={
+                "model": "tts",
+                "input": "hello",
+                "voice": "en-us",
+                "response_format": "wav",
+                "stream": False,
+            },
+        ) as resp:
+            body = await resp.read()
+        with wave.open(io.BytesIO(body)) as wav:
+            assert wav.getframerate() == 24000 and wav.getnframes() > 2400
+
+        async with http.post(
+            f"{base}/v1/audio/speech",
+            json={"model": "tts", "input": "hello", "voice": "alloy"},
+        ) as resp:
+            assert resp.status == 400
+            assert "voice" in (await resp.json())["error"]["param"]
