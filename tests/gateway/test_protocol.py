@@ -1,0 +1,165 @@
+"""gateway.protocol, gateway.conversation and gateway.auth on their own: what a client may
+set, what is refused by name, and keys that expire."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway import auth as auth_mod
+from gateway.auth import Authenticator, AuthError
+from gateway.config import AuthConfig
+from gateway.conversation import Conversation, Item, item_from_client
+from gateway.protocol import ProtocolError, SessionConfig, parse_response_create
+
+
+def fresh() -> SessionConfig:
+    return SessionConfig(voice="en-us", instructions="be nice")
+
+
+def test_session_object_round_trips_through_an_update() -> None:
+    config = fresh()
+    config.apply(config.to_json("sess_1"))  # what session.created says is a valid update
+    assert config.to_json("sess_1") == fresh().to_json("sess_1")
+
+
+def test_update_applies_known_fields() -> None:
+    config = fresh()
+    config.apply(
+        {
+            "type": "realtime",
+            "instructions": "be brief",
+            "output_modalities": ["text"],
+            "max_output_tokens": 100,
+            "audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 0.8}}},
+        }
+    )
+    assert config.instructions == "be brief" and not config.audio_out
+    assert config.token_cap == 100
+    assert config.turn_detection is not None and config.turn_detection.threshold == 0.8
+    assert config.turn_detection.silence_duration_ms == 500  # unchanged knobs stay
+    config.apply({"audio": {"input": {"turn_detection": None}}})
+    assert config.turn_detection is None
+
+
+@pytest.mark.parametrize(
+    ("update", "param"),
+    [
+        ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice='alloy'"),
+        ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "session.audio.input.format"),
+        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "turn_detection"),
+        ({"audio": {"input": {"turn_detection": {"threshold": 2}}}}, "threshold"),
+        ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "noise_reduction"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),
+        ({"output_modalities": ["text", "audio"]}, "session.output_modalities"),
+        ({"max_output_tokens": 0}, "session.max_output_tokens"),
+        ({"type": "transcription"}, "session.type"),
+        ({"colour": "blue"}, "session.colour"),
+        ({"audio": {"output": {"speed": 1.5}}}, "session.audio.output.speed"),
+    ],
+)
+def test_refused_updates_name_the_field_and_change_nothing(update, param) -> None:
+    config = fresh()
+    before = config.to_json("s")
+    with pytest.raises(ProtocolError) as err:
+        config.apply({"instructions": "changed", **update})
+    assert param in (err.value.param or "")
+    assert config.to_json("s") == before
+
+
+def test_response_create_overrides_and_refusals() -> None:
+    params = parse_response_create(
+        {"output_modalities": ["text"], "instructions": "x", "max_output_tokens": 5}, fresh()
+    )
+    assert params.audio is False and params.instructions == "x" and params.max_output_tokens == 5
+    assert parse_response_create(None, fresh()).audio is None
+    for bad, param in [
+        ({"conversation": "none"}, "response.conversation"),
+        ({"input": []}, "response.input"),
+        ({"audio": {"output": {"voice": "ash"}}}, "voice"),
+        ({"metadata": "x"}, "response.metadata"),
+    ]:
+        with pytest.raises(ProtocolError) as err:
+            parse_response_create(bad, fresh())
+        assert param in (err.value.param or "")
+
+
+def test_conversation_items_insert_delete_and_history() -> None:
+    conv = Conversation()
+    a = item_from_client(
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    )
+    assert conv.add(a) is None
+    b = Item("item_b", "assistant", [{"type": "output_audio", "transcript": "hello"}])
+    assert conv.add(b) == a.id
+    c = item_from_client(
+        {"id": "item_c", "role": "system", "content": [{"type": "input_text", "text": "rule"}]}
+    )
+    assert conv.add(c, "root") is None
+    assert conv.history() == [("system", "rule"), ("user", "hi"), ("assistant", "hello")]
+    conv.delete(a.id)
+    assert [r for r, _ in conv.history()] == ["system", "assistant"]
+    with pytest.raises(ProtocolError) as err:
+        conv.get("nope")
+    assert err.value.code == "not_found"
+    with pytest.raises(ProtocolError):
+        conv.add(Item("item_b", "user"))  # ids are unique
+    with pytest.raises(ProtocolError) as err:
+        conv.add(Item("item_d", "user"), previous_item_id="missing")
+    assert err.value.param == "previous_item_id"
+
+
+@pytest.mark.parametrize(
+    ("item", "param"),
+    [
+        ({"type": "function_call"}, "item.type='function_call'"),
+        ({"role": "robot", "content": [{"type": "input_text", "text": "x"}]}, "item.role"),
+        ({"role": "user", "content": []}, "item.content"),
+        ({"role": "user", "content": [{"type": "input_audio", "audio": "AAAA"}]}, "input_audio"),
+        (
+            {"role": "user", "content": [{"type": "output_text", "text": "x"}]},
+            "item.content[0].type",
+        ),
+        ({"role": "user", "content": [{"type": "input_text", "text": 3}]}, "item.content[0].text"),
+    ],
+)
+def test_bad_items_are_refused_by_name(item, param) -> None:
+    with pytest.raises(ProtocolError) as err:
+        item_from_client(item)
+    assert param in (err.value.param or "")
+
+
+class FakeRequest:
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = headers
+
+
+def test_keys_secrets_and_expiry(monkeypatch) -> None:
+    auth = Authenticator(
+        AuthConfig(api_keys=["sk-a"], api_keys_env="KEYS"), environ={"KEYS": "sk-b, sk-c"}
+    )
+    assert not auth.check(FakeRequest({"Authorization": "Bearer sk-c"})).ephemeral
+    proto = {"Sec-WebSocket-Protocol": "realtime, openai-insecure-api-key.sk-a"}
+    assert not auth.check(FakeRequest(proto)).ephemeral
+    with pytest.raises(AuthError) as err:
+        auth.check(FakeRequest({}))
+    assert err.value.code == "missing_api_key"
+    with pytest.raises(AuthError, match="incorrect"):
+        auth.check(FakeRequest({"Authorization": "Bearer sk-z"}))
+
+    now = [1000.0]
+    monkeypatch.setattr(auth_mod.time, "time", lambda: now[0])
+    secret = auth.mint({"type": "realtime", "instructions": "pirate"}, ttl_s=10)
+    grant = auth.check(FakeRequest({"Authorization": f"Bearer {secret.value}"}))
+    assert grant.ephemeral and grant.session == {"type": "realtime", "instructions": "pirate"}
+    with pytest.raises(AuthError, match="cannot mint"):
+        auth.check(FakeRequest({"Authorization": f"Bearer {secret.value}"}), allow_ephemeral=False)
+    now[0] += 10
+    with pytest.raises(AuthError) as err:
+        auth.check(FakeRequest({"Authorization": f"Bearer {secret.value}"}))
+    assert err.value.code == "expired_api_key"
+
+
+def test_auth_on_without_keys_is_a_clear_start_up_error() -> None:
+    with pytest.raises(ValueError, match=r"gateway\.auth\.enabled: false"):
+        Authenticator(AuthConfig(api_keys_env="NOPE"), environ={})
+    assert Authenticator(AuthConfig(enabled=False), environ={}).check(FakeRequest({})) is not None
