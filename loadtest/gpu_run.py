@@ -343,17 +343,22 @@ async def measure_itl(
                     ids.add(rid)
                     waits.append(tap.expect_done(rid))
                     sent[rid] = time.monotonic_ns()
-                    link.create_response(s, rid)
-                await asyncio.wait_for(asyncio.gather(*waits), 120)
+                    link.create_response(s, rid, text=QUESTION)
+                try:
+                    await asyncio.wait_for(asyncio.gather(*waits), 60)
+                except TimeoutError:
+                    kinds = sorted({(x.session, x.stage, x.kind.name) for x in tap.since(mark)})
+                    raise TimeoutError(f"replies not done in 60 s; seen since: {kinds}") from None
                 firsts = _first_deltas(tap.since(mark), set(sent))
-                ttft += [(firsts[r] - sent[r]) / 1e6 for r in sent if r in firsts]
+                ttft += [(firsts[i] - sent[i]) / 1e6 for i in sent if i in firsts]
         finally:
-            for s in sessions:
-                link.cancel(s, reason="itl_done")  # the vocoder's backlog becomes stale
-            if mode == "vocoder_idle":
-                os.kill(vocoder_pid, signal.SIGCONT)
+            # closing makes the vocoder's backlog stale. (Not CANCEL then close: the reasoning
+            # stage's cancel task, run after a quick reopen of the same session id, stopped the
+            # new session's reply.)
             for s in sessions:
                 link.close_session(s)
+            if mode == "vocoder_idle":
+                os.kill(vocoder_pid, signal.SIGCONT)
         out[mode] = {
             "inter_token_ms": summary(inter_token_ms(tap.since(mark), ids), 50, 99),
             "ttft_ms": summary(ttft, 50, 99),
@@ -416,7 +421,7 @@ async def measure_layout(
         for n in args.itl_streams:
             log(f"inter-token latency, {n} replies at once")
             try:
-                out["inter_token"][str(n)] = await measure_itl(gateway, tap, vocoder_pid, n, 3)
+                out["inter_token"][str(n)] = await measure_itl(gateway, tap, vocoder_pid, n, 2)
             except Exception as exc:
                 log(f"inter-token run failed: {type(exc).__name__}: {exc}")
                 out["inter_token"][str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
