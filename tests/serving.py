@@ -1,5 +1,6 @@
-"""The gateway as the end-to-end tests serve it: `build_app` (signaling, health, metrics, the
-demo page) next to a running supervisor, on 127.0.0.1 with an ephemeral port."""
+"""Serving apps to tests on 127.0.0.1 with an ephemeral port; the gateway as the end-to-end
+tests serve it: `build_app` (signaling, health, metrics, the demo page) next to a running
+supervisor."""
 
 from __future__ import annotations
 
@@ -16,19 +17,29 @@ from stages.supervisor import Supervisor
 
 
 @asynccontextmanager
-async def serving_gateway(
-    config: OmniConfig, supervisor: Supervisor
-) -> AsyncIterator[tuple[str, web.Application]]:
-    """Yield (base URL, app); afterwards the process-wide media settings are restored."""
-    prepare_media(config)
-    runner = web.AppRunner(build_app(config, supervisor))
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Serve `app` on 127.0.0.1; yield its base URL."""
+    runner = web.AppRunner(app)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}", runner.app
+        yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def serving_gateway(
+    config: OmniConfig, supervisor: Supervisor
+) -> AsyncIterator[tuple[str, web.Application]]:
+    """Yield (base URL, app); afterwards the process-wide media settings are restored."""
+    prepare_media(config)
+    app = build_app(config, supervisor)
+    try:
+        async with serving(app) as base:
+            yield base, app
+    finally:
         aiortc_tuning.restore()
         restrict_host_addresses(None)

@@ -26,8 +26,9 @@ from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 
 from gateway.app import gateway_of
 from gateway.config import load_config
+from gateway.page import add_page_routes
 from stages.supervisor import Supervisor
-from tests.serving import serving_gateway
+from tests.serving import serving, serving_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
@@ -355,3 +356,92 @@ async def test_gateway_refusal_is_shown(server, page) -> None:
     await expect(page.locator("#call-state")).to_contain_text("Connection failed")
     await expect(page.get_by_role("button", name="Connect", exact=True)).to_be_enabled()
     assert await page.evaluate("window.omniDemo.microphone === null")
+
+
+# events as the gateway sends them, with arrival times; the model must read either order of
+# a barge-in's cut and speech_started, and a cut of a reply already generated in full
+CONVERSATION_SCENARIO = """async () => {
+    const { Conversation } = await import("/web/conversation.js");
+    const c = new Conversation();
+    const feed = (t, type, fields = {}) => c.apply({ type, receivedAt: t, ...fields });
+    const item = (id, transcript) => ({ id, content: [{ type: "output_audio", transcript }] });
+    feed(0, "input_audio_buffer.speech_started", { item_id: "u1" });
+    feed(10, "conversation.item.input_audio_transcription.delta", { item_id: "u1", delta: "hel" });
+    const partial = c.entries[0].partial;
+    feed(900, "input_audio_buffer.speech_stopped", { item_id: "u1" });
+    feed(901, "input_audio_buffer.committed", { item_id: "u1" });
+    feed(1000, "conversation.item.input_audio_transcription.completed",
+         { item_id: "u1", transcript: "hello there" });
+    feed(1001, "response.created", { response: { id: "r1" } });
+    feed(1002, "response.output_item.added", { response_id: "r1", item: { id: "a1" } });
+    feed(1050, "response.output_audio_transcript.delta",
+         { response_id: "r1", item_id: "a1", delta: "one two " });
+    feed(1100, "output_audio_buffer.started", { response_id: "r1" });
+    feed(1101, "omni.response.first_audio",
+         { response_id: "r1", turn_latency_ms: 195.5, time_to_first_audio_ms: 98.2 });
+    const speaking = c.agentSpeaking;
+    feed(1200, "response.output_audio_transcript.delta",
+         { response_id: "r1", item_id: "a1", delta: "three four" });
+    feed(1300, "response.done", { response: { id: "r1", status: "completed",
+                                              output: [item("a1", "one two three four")] } });
+    // generated in full, still playing: the caller talks over it
+    feed(2000, "output_audio_buffer.cleared", { response_id: "r1" });
+    feed(2001, "conversation.item.truncated", { item_id: "a1", audio_end_ms: 640 });
+    feed(2003, "input_audio_buffer.speech_started", { item_id: "u2" });
+    feed(2010, "omni.response.cancelled", { response_id: "r1", cancel_latency_ms: 4.2 });
+    feed(2020, "conversation.item.retrieved", { item: item("a1", "one two") });
+    c.audioSilentAt(2150);
+    const r1 = c.entries[1];
+    // a reply still being generated, cut with speech_started first
+    feed(3000, "input_audio_buffer.speech_stopped", { item_id: "u2" });
+    feed(3001, "input_audio_buffer.committed", { item_id: "u2" });
+    feed(3100, "response.created", { response: { id: "r2" } });
+    feed(3300, "output_audio_buffer.started", { response_id: "r2" });
+    feed(3900, "input_audio_buffer.speech_started", { item_id: "u3" });
+    feed(3901, "output_audio_buffer.cleared", { response_id: "r2" });
+    feed(3902, "response.done", { response: { id: "r2", status: "cancelled",
+        status_details: { type: "cancelled", reason: "turn_detected" }, output: [] } });
+    const r2 = c.entries[3];
+    return {
+        partial, speaking, kinds: c.entries.map((e) => e.kind),
+        user: c.entries[0].transcript,
+        r1: { state: r1.state, cutBy: r1.cutBy, heard: r1.heard, heardMs: r1.heardMs,
+              text: r1.text, latency: r1.latency, measuredBy: r1.measuredBy },
+        r2: { state: r2.state, cutBy: r2.cutBy, userItemId: r2.userItemId, latency: r2.latency },
+        agentSpeaking: c.agentSpeaking,
+    };
+}"""
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def page_server() -> AsyncIterator[str]:
+    """The page alone, without stages: for what runs in the browser only."""
+    app = web.Application()
+    add_page_routes(app)
+    async with serving(app) as base:
+        yield base
+
+
+async def test_conversation_model_reads_the_event_orders(page_server, page) -> None:
+    await page.goto(f"{page_server}/")
+    got = await page.evaluate(CONVERSATION_SCENARIO)
+    assert got["partial"] == "hel" and got["speaking"] is True
+    assert got["kinds"] == ["user", "agent", "user", "agent", "user"]
+    assert got["user"] == "hello there"
+    r1 = got["r1"]
+    assert r1["state"] == "cut" and r1["cutBy"] == "turn_detected"
+    assert (r1["heard"], r1["heardMs"], r1["text"]) == ("one two", 640, "one two three four")
+    # the gateway's figures win over the arrival-time estimates; the client adds the stop
+    assert r1["latency"] == {
+        "turnMs": 195.5,
+        "firstAudioMs": 98.2,
+        "transcriptMs": 100,
+        "cancelMs": 4.2,
+        "audioStopMs": 150,
+    }
+    assert r1["measuredBy"]["turnMs"] == "server"
+    assert r1["measuredBy"]["audioStopMs"] == "client"
+    r2 = got["r2"]
+    assert r2["state"] == "cut" and r2["cutBy"] == "turn_detected" and r2["userItemId"] == "u2"
+    assert r2["latency"]["turnMs"] == 300  # speech_stopped 3000 -> audio started 3300
+    assert got["agentSpeaking"] is False

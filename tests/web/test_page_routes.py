@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -12,25 +10,17 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.page import WEB_ROOT, add_page_routes
+from tests.serving import serving
 
 
-@asynccontextmanager
-async def serving(root: Path) -> AsyncIterator[str]:
+def serving_page(root: Path):
     app = web.Application()
     add_page_routes(app, root)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    return serving(app)
 
 
 async def test_root_serves_the_page_and_its_modules() -> None:
-    async with serving(WEB_ROOT) as base, aiohttp.ClientSession() as http:
+    async with serving_page(WEB_ROOT) as base, aiohttp.ClientSession() as http:
         async with http.get(f"{base}/") as r:
             assert r.status == 200 and r.content_type == "text/html"
             assert r.headers["Cache-Control"] == "no-cache"
@@ -47,7 +37,7 @@ async def test_root_serves_the_page_and_its_modules() -> None:
 
 @pytest.mark.parametrize("path", ["/web/nope.js", "/web/../pyproject.toml", "/web/%2e%2e/setup.py"])
 async def test_nothing_outside_web_is_served(path: str) -> None:
-    async with serving(WEB_ROOT) as base, aiohttp.ClientSession() as http:
+    async with serving_page(WEB_ROOT) as base, aiohttp.ClientSession() as http:
         url = URL(f"{base}{path}", encoded=True)  # sent as written, dots and all
         async with http.get(url) as r:
             assert r.status in (403, 404), await r.text()
@@ -55,7 +45,7 @@ async def test_nothing_outside_web_is_served(path: str) -> None:
 
 async def test_without_web_folder_root_says_why(tmp_path: Path) -> None:
     async with (
-        serving(tmp_path / "absent") as base,
+        serving_page(tmp_path / "absent") as base,
         aiohttp.ClientSession() as http,
         http.get(f"{base}/") as r,
     ):
