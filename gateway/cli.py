@@ -81,7 +81,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     from gateway.server import serve
     from stages.supervisor import Supervisor
 
+    from gateway.auth import Authenticator
+
     config = load_config(args.config, _overrides(args))
+    Authenticator(config.gateway.auth)  # no API key with auth on: say so before the slow part
     supervisor = Supervisor(config, log_level=logging.getLogger().level)
     try:
         _progress(f"starting stages from {args.config}")
