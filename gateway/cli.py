@@ -77,11 +77,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    from gateway.auth import Authenticator
     from gateway.config import load_config
     from gateway.server import serve
     from stages.supervisor import Supervisor
-
-    from gateway.auth import Authenticator
 
     config = load_config(args.config, _overrides(args))
     Authenticator(config.gateway.auth)  # no API key with auth on: say so before the slow part

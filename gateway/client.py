@@ -1,13 +1,15 @@
 """A Python WebRTC client for omni-gateway (and the OpenAI Realtime WebRTC shape).
 
-    call = await RealtimeCall.connect("http://127.0.0.1:8080")
-    call.microphone.play(pcm16_48k)            # speak (48 kHz mono PCM16), paced at 20 ms
+    call = await RealtimeCall.connect("http://127.0.0.1:8080", api_key="sk-...")
+    call.send_file("question.wav")             # speak a WAV (any rate), paced at 20 ms
     event = await call.next_event("response.done")
-    heard = call.speaker.pcm()                 # what the agent said, as received
+    heard = call.speaker.pcm()                 # what the agent said, as received (48 kHz)
     await call.close()
 
-The load generator and the tests use it. Media runs over aiortc; events arrive on the
-"oai-events" data channel as dicts.
+`connect(..., track=...)` sends any aiortc audio track instead (a real microphone through
+`aiortc.contrib.media.MediaPlayer`, for instance). Events arrive on the "oai-events" data
+channel as dicts; `typed_event()` turns one into the `openai` SDK's model of it. The load
+generator and the tests use this client.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from aiortc import (
 )
 from aiortc.mediastreams import MediaStreamError
 from av import AudioFrame
+
+from stages.audio import read_wav, resample
 
 RATE = 48_000
 FRAME = 960  # 20 ms at 48 kHz
@@ -142,14 +146,16 @@ class RealtimeCall:
         *,
         api_key: str | None = None,
         ice_servers: list[str] | None = None,
+        track: MediaStreamTrack | None = None,
         timeout: float = 20,
     ) -> RealtimeCall:
+        """Call the gateway at `base_url`; `track` replaces the built-in microphone."""
         pc = RTCPeerConnection(
             RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers or []])
         )
         channel = pc.createDataChannel("oai-events")
         call = cls(pc, channel)
-        pc.addTrack(call.microphone)
+        pc.addTrack(track if track is not None else call.microphone)
         pc.on("track", lambda track: call.speaker.start(track) if track.kind == "audio" else None)
         channel.on("message", call._on_message)
         opened = asyncio.Event()
@@ -198,6 +204,12 @@ class RealtimeCall:
                 if event["type"] == "error":
                     raise RuntimeError(f"server error: {event['error']}")
 
+    def send_file(self, path: str) -> float:
+        """Speak a WAV file (PCM16, any rate, mono or stereo) into the call; its seconds."""
+        pcm, rate = read_wav(path)
+        self.microphone.play(resample(pcm, rate, RATE))
+        return len(pcm) / rate
+
     def cancel(self) -> None:
         self.send({"type": "response.cancel"})
 
@@ -205,3 +217,14 @@ class RealtimeCall:
         self.microphone.stop()
         await self.speaker.stop()
         await self.pc.close()
+
+
+def typed_event(event: dict[str, Any]) -> Any:
+    """A server event as the `openai` SDK's model of it (`pip install openai`); unknown
+    types, such as the gateway's `omni.*` extensions, keep their fields as attributes."""
+    try:
+        from openai._models import construct_type_unchecked
+        from openai.types.realtime import RealtimeServerEvent
+    except ImportError as exc:
+        raise ImportError("typed events need the openai package: pip install openai") from exc
+    return construct_type_unchecked(value=event, type_=RealtimeServerEvent)

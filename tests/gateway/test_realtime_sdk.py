@@ -21,7 +21,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from gateway import aiortc_tuning
-from gateway.client import RealtimeCall
+from gateway.client import RealtimeCall, typed_event
 from gateway.config import load_config
 from gateway.ice import restrict_host_addresses
 from gateway.server import build_app, prepare_media
@@ -329,7 +329,7 @@ async def test_manual_turns_commit_and_respond(base, make_speech) -> None:
         assert "input_audio_buffer.speech_started" not in events.types()
 
 
-async def test_keys_client_secrets_and_their_sessions(base) -> None:
+async def test_keys_client_secrets_and_their_sessions(base, make_speech) -> None:
     with pytest.raises(Exception, match="401"):
         async with sdk(base, key="sk-wrong").realtime.connect(model="gpt-realtime") as conn:
             await conn.recv()
@@ -352,9 +352,16 @@ async def test_keys_client_secrets_and_their_sessions(base) -> None:
     async with sdk(base, key=secret.value).realtime.connect(model="gpt-realtime") as conn:
         created = (await Events(conn).next("session.created"))["session"]
         assert created["instructions"] == "You are a pirate."
-    # the secret opens WebRTC calls too, but cannot mint more secrets
+    # the secret opens WebRTC calls too (here with the Python client), but cannot mint more
     call = await RealtimeCall.connect(base, api_key=secret.value)
-    await call.close()
+    try:
+        created = typed_event(await call.next_event("session.created"))
+        assert created.session.instructions == "You are a pirate."
+        assert call.send_file(str(make_speech("good morning").path)) > 1.0
+        started = typed_event(await call.next_event("input_audio_buffer.speech_started"))
+        assert started.type == "input_audio_buffer.speech_started" and started.item_id
+    finally:
+        await call.close()
     async with sdk(base, key=secret.value) as client:
         with pytest.raises(Exception, match="401"):
             await client.realtime.client_secrets.create()
