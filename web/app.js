@@ -58,6 +58,7 @@ const demo = {
   meters: null,
   statsTimer: null,
   stats: null, // the latest client.audioStats(), sampled every second
+  attempt: 0, // the latest press of Connect; Disconnect moves it on
   rendered: new Map(),
 };
 window.omniDemo = demo;
@@ -66,7 +67,8 @@ window.omniDemo = demo;
 
 function showState(state, reason = "") {
   ui.state.dataset.state = state;
-  ui.state.textContent = reason && state !== "connected" ? `${STATE_TEXT[state]}: ${reason}` : STATE_TEXT[state];
+  const text = STATE_TEXT[state];
+  ui.state.textContent = reason && state !== "connected" ? `${text}: ${reason}` : text;
   const busy = state === "microphone" || state === "connecting";
   const up = state === "connected" || state === "interrupted";
   ui.connect.disabled = busy || up;
@@ -85,6 +87,7 @@ function clearErrors() {
 }
 
 async function connect() {
+  const attempt = ++demo.attempt;
   clearErrors();
   // created inside the click so the browser lets it play
   demo.audioContext ??= new AudioContext();
@@ -95,6 +98,11 @@ async function connect() {
   } catch (err) {
     showState("idle");
     showError(err instanceof MicrophoneError ? err.message : `Microphone: ${err.message}`);
+    return;
+  }
+  if (attempt !== demo.attempt) {
+    // Disconnect was pressed while the browser asked for the microphone
+    stopMedia();
     return;
   }
   await refreshMicrophones(); // labels are readable once permission is granted
@@ -135,6 +143,7 @@ async function connect() {
 }
 
 async function disconnect() {
+  demo.attempt++; // a connect still waiting for the microphone gives up
   const client = demo.client;
   if (client) await client.close();
   stopMedia();
@@ -174,7 +183,9 @@ async function refreshMicrophones() {
   }
   const options = [new Option("Default microphone", "")];
   for (const mic of mics) {
-    if (mic.deviceId && mic.deviceId !== "default") options.push(new Option(mic.label, mic.deviceId));
+    if (mic.deviceId && mic.deviceId !== "default") {
+      options.push(new Option(mic.label, mic.deviceId));
+    }
   }
   ui.microphone.replaceChildren(...options);
   ui.microphone.value = options.some((o) => o.value === chosen) ? chosen : "";
@@ -319,11 +330,13 @@ function turnElement(entry) {
 function renderUser(turn, li) {
   li.dataset.state = turn.state;
   const final = turn.transcript !== null;
-  li.querySelector(".turn-state").textContent = final ? "" : turn.state === "speaking" ? "speaking…" : "transcribing…";
+  const status = li.querySelector(".turn-state");
+  if (turn.failed) status.textContent = `transcription failed: ${turn.failed}`;
+  else if (final) status.textContent = "";
+  else status.textContent = turn.state === "speaking" ? "speaking…" : "transcribing…";
   const text = li.querySelector(".text");
   text.classList.toggle("partial", !final);
   text.textContent = final ? turn.transcript || "(nothing recognized)" : turn.partial || "…";
-  if (turn.failed) li.querySelector(".turn-state").textContent = `transcription failed: ${turn.failed}`;
 }
 
 function renderAgent(reply, li) {
@@ -336,7 +349,8 @@ function renderAgent(reply, li) {
     status.textContent = reply.cutBy === "turn_detected" ? "interrupted by you" : "cancelled";
     const mark = document.createElement("span");
     mark.className = "cut-mark";
-    mark.textContent = reply.heardMs === null ? "✂ cut" : `✂ cut after ${seconds(reply.heardMs)}`;
+    mark.textContent = "✂ cut";
+    if (reply.heardMs !== null) mark.textContent += ` after ${seconds(reply.heardMs)}`;
     if (reply.heard === null) {
       // not yet known which words were heard: the whole reply, marked
       text.replaceChildren(document.createTextNode(`${reply.text} `), mark);

@@ -78,7 +78,14 @@ export class Conversation extends EventTarget {
   _user(itemId, t) {
     let turn = this._users.get(itemId);
     if (!turn) {
-      turn = { kind: "user", id: itemId, partial: "", transcript: null, state: "speaking", t: { created: t } };
+      turn = {
+        kind: "user",
+        id: itemId,
+        partial: "",
+        transcript: null,
+        state: "speaking",
+        t: { created: t },
+      };
       this._users.set(itemId, turn);
       this.entries.push(turn);
     }
@@ -209,7 +216,9 @@ const HANDLERS = {
     turn.transcript = e.transcript ?? "";
     turn.state = "done";
     turn.t.transcribed = t;
-    for (const reply of this._agents.values()) if (reply.userItemId === turn.id) this._measure(reply);
+    for (const reply of this._agents.values()) {
+      if (reply.userItemId === turn.id) this._measure(reply);
+    }
     return turn;
   },
 

@@ -18,7 +18,15 @@ export const EVENTS_CHANNEL = "oai-events";
 
 /** Why the microphone could not be opened; `kind` is one of MicrophoneError.KINDS. */
 export class MicrophoneError extends Error {
-  static KINDS = ["denied", "not-found", "busy", "insecure", "unsupported", "constraint", "unknown"];
+  static KINDS = [
+    "denied",
+    "not-found",
+    "busy",
+    "insecure",
+    "unsupported",
+    "constraint",
+    "unknown",
+  ];
 
   constructor(kind, message, cause) {
     super(message, { cause });
@@ -58,7 +66,10 @@ export async function openMicrophone({ deviceId = "", constraints = VOICE_CONSTR
     );
   }
   if (!navigator.mediaDevices?.getUserMedia) {
-    throw new MicrophoneError("unsupported", "This browser cannot capture audio (no getUserMedia).");
+    throw new MicrophoneError(
+      "unsupported",
+      "This browser cannot capture audio (no getUserMedia).",
+    );
   }
   const audio = { ...constraints };
   if (deviceId) audio.deviceId = { exact: deviceId };
@@ -197,7 +208,9 @@ export class RealtimeClient extends EventTarget {
       await pc.setLocalDescription(await pc.createOffer());
       await this._gathered();
       const answer = await this._postOffer(pc.localDescription.sdp);
-      if (this._state !== "connecting") throw new CallError("The call was closed while connecting.");
+      if (this._state !== "connecting") {
+        throw new CallError("The call was closed while connecting.");
+      }
       await pc.setRemoteDescription({ type: "answer", sdp: answer });
       await withTimeout(opened, 15000, "the event channel did not open within 15 s");
       this._setState("connected");
@@ -252,7 +265,8 @@ export class RealtimeClient extends EventTarget {
     try {
       event = JSON.parse(data);
     } catch {
-      this._error(new Error(`the gateway sent an event that is not JSON: ${String(data).slice(0, 80)}`));
+      const start = String(data).slice(0, 80);
+      this._error(new Error(`the gateway sent an event that is not JSON: ${start}`));
       return;
     }
     event.receivedAt = performance.now();
