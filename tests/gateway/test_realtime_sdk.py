@@ -352,6 +352,16 @@ async def test_keys_client_secrets_and_their_sessions(base, make_speech) -> None
     async with sdk(base, key=secret.value).realtime.connect(model="gpt-realtime") as conn:
         created = (await Events(conn).next("session.created"))["session"]
         assert created["instructions"] == "You are a pirate."
+    # a browser's WebSocket cannot set headers: the key rides in a subprotocol
+    ws_url = base.replace("http", "ws") + "/v1/realtime?model=x"
+    async with aiohttp.ClientSession() as http:
+        protocols = ("realtime", f"openai-insecure-api-key.{secret.value}")
+        async with http.ws_connect(ws_url, protocols=protocols) as ws:
+            assert ws.protocol == "realtime"
+            assert (await ws.receive_json())["type"] == "session.created"
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await http.ws_connect(ws_url, protocols=("realtime", "openai-insecure-api-key.bad"))
+        assert err.value.status == 401
     # the secret opens WebRTC calls too (here with the Python client), but cannot mint more
     call = await RealtimeCall.connect(base, api_key=secret.value)
     try:
