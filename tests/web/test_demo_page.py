@@ -246,7 +246,9 @@ async def test_call_transcripts_audio_barge_in_and_hang_up(server, page, tmp_pat
     assert_not_blank(shot)
 
     # hang up: the gateway tears the call down and frees its pipeline session
-    await page.get_by_role("button", name="Disconnect", exact=True).click()
+    async with page.expect_response(lambda r: r.url.endswith("/hangup")) as hangup:
+        await page.get_by_role("button", name="Disconnect", exact=True).click()
+    assert (await hangup.value).status == 200  # the key went with it
     await expect(page.locator("#call-state")).to_have_text("Disconnected")
     async with asyncio.timeout(10):
         await call.closed.wait()
