@@ -334,15 +334,18 @@ class RealtimeSession:
 
     # -- barge-in and cancel: the one place ------------------------------------------------
 
-    def interrupt(self, reason: str) -> None:
-        """Stop the agent now: drop queued audio, purge every stage, ask each to ack."""
+    def interrupt(self, reason: str, heard_samples: int | None = None) -> None:
+        """Stop the agent now: drop queued audio, purge every stage, ask each to ack.
+        `heard_samples` (at the vocoder's rate) overrides what the transport says was
+        played, for a client that reports it (conversation.item.truncate)."""
         response = self.response
         if response is None or self.transport is None:
             return
         self.response = None
         self.transport.clear()
         self.interrupted_at.append(time.monotonic())
-        heard_samples = self.transport.heard_samples(response)
+        if heard_samples is None:
+            heard_samples = self.transport.heard_samples(response)
         heard = response.tracker.heard(heard_samples) if response.audio else response.text
         cancel_id, t = self.link.cancel(self.session, response.response_id, heard, reason)
         self.cancels[cancel_id] = t
@@ -743,10 +746,13 @@ class RealtimeSession:
                 f"audio_end_ms {end_ms} is beyond the item's audio ({length_ms} ms)",
                 param="audio_end_ms",
             )
-        heard = tracker.heard(end_ms * self.vocoder_rate // 1000)
+        played = end_ms * self.vocoder_rate // 1000
         if response is not None:
-            self.interrupt("client_truncate")  # it says what was heard, from the playback
-        item.content[0]["transcript"] = heard
+            # a reply still being made or played: stop it there; interrupt() announces the
+            # truncation and the cancel carries the heard text to the reasoning stage
+            self.interrupt("client_truncate", played)
+            return
+        item.content[0]["transcript"] = tracker.heard(played)
         self._sync_history()
         self.send(
             ev.event(
