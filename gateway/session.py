@@ -140,6 +140,7 @@ class RealtimeSession:
         self.turn_id = 0
         self.turn_items: dict[int, str] = {}  # turn id -> its user item
         self.awaiting_transcript: set[int] = set()
+        self._partials: dict[int, str] = {}  # turn id -> the partial transcript sent so far
         self.deferred_create: tuple[ResponseParams, str | None] | None = None
         self.speech_stopped_ns = 0
         self.cancels: dict[int, int] = {}  # cancel_id -> CLOCK_MONOTONIC ns it was sent
@@ -414,19 +415,16 @@ class RealtimeSession:
         item_id = self.turn_items.get(turn_id)
         if item_id is None:
             return
-        if self.config.transcription is not None:
-            fields = {"transcript": text} if final else {"delta": text}
-            name = "completed" if final else "delta"
-            self.send(
-                ev.event(
-                    f"conversation.item.input_audio_transcription.{name}",
-                    item_id=item_id,
-                    content_index=0,
-                    **fields,
-                )
-            )
         if not final:
+            # The encoder sends its whole current guess; Realtime deltas are additions. Send
+            # what the guess added; a guess that revises earlier words waits for `completed`.
+            said = self._partials.get(turn_id, "")
+            if text.startswith(said) and len(text) > len(said):
+                self._partials[turn_id] = text
+                self._transcription_event("delta", item_id, delta=text[len(said) :])
             return
+        self._partials.pop(turn_id, None)
+        self._transcription_event("completed", item_id, transcript=text)
         self.awaiting_transcript.discard(turn_id)
         if item_id in self.items:
             item = self.items.get(item_id)
@@ -436,6 +434,17 @@ class RealtimeSession:
             params, event_id = self.deferred_create
             self.deferred_create = None
             self._create_response(params, event_id)
+
+    def _transcription_event(self, name: str, item_id: str, **fields: str) -> None:
+        if self.config.transcription is not None:
+            self.send(
+                ev.event(
+                    f"conversation.item.input_audio_transcription.{name}",
+                    item_id=item_id,
+                    content_index=0,
+                    **fields,
+                )
+            )
 
     def _response_started(self, response_id: str, audio: bool, t_ns: int) -> None:
         if self.response is not None:
