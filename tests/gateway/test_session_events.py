@@ -1,0 +1,78 @@
+"""gateway.session on its own, with a stand-in for the rings: the events a client sees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import SessionConfig
+from gateway.session import ActiveResponse, RealtimeSession
+from stages.link import StageEvent
+from stages.messages import Kind, Transcript
+
+
+class RecordingLink:
+    """Takes what the session would push into the rings."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: self.calls.append((name, args)) or 0
+
+
+class RecordingTransport:
+    kind = "websocket"
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def send_event(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None: ...
+    def finish(self, response: ActiveResponse) -> None: ...
+    def clear(self) -> None: ...
+    def heard_samples(self, response: ActiveResponse) -> int:
+        return 0
+
+    async def close(self) -> None: ...
+
+
+def transcript(turn: int, text: str, final: bool) -> StageEvent:
+    return StageEvent("encoder", 1, Kind.TRANSCRIPT, 0, 0, 0, Transcript(turn, text, final))
+
+
+def test_partial_transcripts_become_additive_deltas() -> None:
+    session = RealtimeSession(
+        "sess_t", RecordingLink(), 1, 22050, GatewayMetrics(), SessionConfig(voice="v"), print
+    )
+    transport = RecordingTransport()
+    session.bind(transport)
+    session._begin_turn(0)
+    for guess in ["so", "stop", "stop the", "stop please", "stop please now"]:
+        session.on_stage_event(transcript(1, guess, final=False))
+    session.on_stage_event(transcript(1, "stop please now", final=True))
+    deltas = [
+        e["delta"]
+        for e in transport.events
+        if e["type"] == "conversation.item.input_audio_transcription.delta"
+    ]
+    # "stop" revises "so" and "stop please" revises "stop the": those wait for the final
+    assert deltas == ["so"]
+    completed = [
+        e for e in transport.events if e["type"].endswith("input_audio_transcription.completed")
+    ]
+    assert [e["transcript"] for e in completed] == ["stop please now"]
+
+    session._begin_turn(0)
+    for guess in ["what", "what is", "what is the time"]:
+        session.on_stage_event(transcript(2, guess, final=False))
+    deltas = [
+        e["delta"]
+        for e in transport.events
+        if e["type"] == "conversation.item.input_audio_transcription.delta"
+    ]
+    assert "".join(deltas[1:]) == "what is the time"
