@@ -16,15 +16,13 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from gateway import aiortc_tuning
 from gateway.app import gateway_of
 from gateway.client import RealtimeCall
 from gateway.config import load_config
-from gateway.ice import restrict_host_addresses
-from gateway.server import build_app, prepare_media
 from loadtest.callers import worst_gap_ms
 from stages.audio import resample
 from stages.supervisor import Supervisor
+from tests.serving import serving_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
@@ -54,17 +52,8 @@ def supervisor(config) -> Iterator[Supervisor]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(config, supervisor) -> AsyncIterator[tuple[str, web.Application]]:
-    prepare_media(config)
-    app = build_app(config, supervisor)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}", app
-    await runner.cleanup()
-    aiortc_tuning.restore()
-    restrict_host_addresses(None)
+    async with serving_gateway(config, supervisor) as served:
+        yield served
 
 
 def speech48k(recording) -> np.ndarray:

@@ -17,16 +17,13 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
-from aiohttp import web
 from openai import AsyncOpenAI
 
-from gateway import aiortc_tuning
 from gateway.client import RealtimeCall, typed_event
 from gateway.config import load_config
-from gateway.ice import restrict_host_addresses
-from gateway.server import build_app, prepare_media
 from stages.audio import resample
 from stages.supervisor import Supervisor
+from tests.serving import serving_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
@@ -56,16 +53,8 @@ def supervisor(config) -> Iterator[Supervisor]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def base(config, supervisor) -> AsyncIterator[str]:
-    prepare_media(config)
-    runner = web.AppRunner(build_app(config, supervisor))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}"
-    await runner.cleanup()
-    aiortc_tuning.restore()
-    restrict_host_addresses(None)
+    async with serving_gateway(config, supervisor) as (url, _):
+        yield url
 
 
 def sdk(base: str, key: str = KEY) -> AsyncOpenAI:
