@@ -1,6 +1,6 @@
 """Runtime adjustments to aiortc for a many-call voice gateway; installed files are never edited.
 
-Three changes, all applied by `apply()` and undone by `restore()`:
+Four changes, all applied by `apply()` and undone by `restore()`:
 
 - `aiortc.rtp.compute_audio_level_dbov` (RFC 6465 level of every sent audio frame) is a pure-Python
   loop of about 175 µs per stereo frame on the event loop; a numpy version computes the same integer
@@ -10,6 +10,10 @@ Three changes, all applied by `apply()` and undone by `restore()`:
 - `RTCRtpSender._next_encoded_frame` hands every encode to the default executor; for Opus (tens
   of µs per 20 ms frame) the thread hop costs more than the encode and makes many calls queue
   behind a few executor threads, so audio is encoded inline. Video keeps aiortc's executor path.
+- With `opus="opuslib"`, Opus goes through libopus at the pipeline's rates (gateway.opus): every
+  audio sender encodes 20 ms mono frames at an Opus rate as they are (no resampling to 48 kHz
+  stereo), and receivers marked with `decode_at(receiver, rate)` decode straight to that rate,
+  mono. Receivers not marked (a client in the same process) keep aiortc's 48 kHz stereo.
 
 `verify()` checks that the aiortc internals these patches rely on are still there, so an aiortc
 upgrade that moves them fails loudly at start-up instead of silently running stock.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+import threading
 from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any
@@ -34,15 +39,22 @@ from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
 from av import AudioFrame
 
+from gateway.opus import OpuslibDecoder, OpuslibEncoder
+
 __all__ = [
+    "OPUS_CODECS",
     "AiortcTuningError",
     "applied",
     "apply",
     "audio_prefetch",
     "compute_audio_level_dbov",
+    "decode_at",
+    "opus_codec",
     "restore",
     "verify",
 ]
+
+OPUS_CODECS = ("opuslib", "aiortc")
 
 
 class AiortcTuningError(RuntimeError):
@@ -59,6 +71,11 @@ _STOCK_JITTER_BUFFER: type[JitterBuffer] = _rtcrtpreceiver.JitterBuffer
 _STOCK_NEXT_ENCODED_FRAME: Callable[..., Coroutine[Any, Any, Any]] = (
     RTCRtpSender._next_encoded_frame
 )
+_STOCK_GET_DECODER: Callable[..., Any] = _rtcrtpreceiver.get_decoder
+_STOCK_GET_ENCODER: Callable[..., Any] = _rtcrtpsender.get_encoder
+_STOCK_DECODER_WORKER: Callable[..., None] = _rtcrtpreceiver.decoder_worker
+_DECODE_RATE = "omni_decode_rate"  # set on a receiver's decoder queue by decode_at()
+_decoder_thread = threading.local()  # the rate the current decoder thread decodes at
 
 # Names the stock `_next_encoded_frame` must still use for the inline copy below to be faithful.
 _SENDER_NAMES = (
@@ -74,7 +91,12 @@ _SENDER_NAMES = (
     "RTCEncodedFrame",
 )
 
-_state: dict[str, Any] = {"applied": False, "audio_prefetch": 1, "level_sites": []}
+_state: dict[str, Any] = {
+    "applied": False,
+    "audio_prefetch": 1,
+    "level_sites": [],
+    "opus": "aiortc",
+}
 
 
 def compute_audio_level_dbov(frame: AudioFrame) -> int:
@@ -144,6 +166,39 @@ async def _next_encoded_frame_inline(
     return _rtcrtpsender.RTCEncodedFrame(payloads, timestamp, audio_level)
 
 
+def decode_at(receiver: RTCRtpReceiver, rate: int) -> None:
+    """Have `receiver` decode Opus straight to `rate` mono (with opus="opuslib"); call it
+    before the connection starts receiving (right after setRemoteDescription)."""
+    setattr(receiver._RTCRtpReceiver__decoder_queue, _DECODE_RATE, rate)  # type: ignore[attr-defined]
+
+
+def _decoder_worker(loop: Any, input_q: Any, output_q: Any, decode_error: Any) -> None:
+    """aiortc's decoder thread, told which rate its receiver asked for."""
+    _decoder_thread.rate = getattr(input_q, _DECODE_RATE, None)
+    _STOCK_DECODER_WORKER(loop, input_q, output_q, decode_error)
+
+
+def _get_decoder(codec: RTCRtpCodecParameters) -> Any:
+    rate = getattr(_decoder_thread, "rate", None)
+    if rate and codec.mimeType.lower() == "audio/opus":
+        return OpuslibDecoder(rate)
+    return _STOCK_GET_DECODER(codec)
+
+
+def _get_encoder(codec: RTCRtpCodecParameters) -> Any:
+    if codec.mimeType.lower() == "audio/opus":
+        return OpuslibEncoder()
+    return _STOCK_GET_ENCODER(codec)
+
+
+def _set_opus(codec: str) -> None:
+    libopus = codec == "opuslib"
+    _rtcrtpreceiver.decoder_worker = _decoder_worker if libopus else _STOCK_DECODER_WORKER  # type: ignore[assignment]
+    _rtcrtpreceiver.get_decoder = _get_decoder if libopus else _STOCK_GET_DECODER  # type: ignore[assignment]
+    _rtcrtpsender.get_encoder = _get_encoder if libopus else _STOCK_GET_ENCODER  # type: ignore[assignment]
+    _state["opus"] = codec
+
+
 def _aiortc_modules() -> list[ModuleType]:
     return [
         m
@@ -203,17 +258,34 @@ def verify() -> None:
     if not isinstance(inspect.getattr_static(RTCRtpSender, "kind", None), property):
         raise _fail("RTCRtpSender.kind is missing")
 
+    # (d) the codec factories and the receiver's decoder thread, for opus="opuslib"
+    for module, name in ((_rtcrtpreceiver, "get_decoder"), (_rtcrtpsender, "get_encoder")):
+        if not callable(getattr(module, name, None)):
+            raise _fail(f"{module.__name__}.{name} is missing")
+    params = list(inspect.signature(_STOCK_DECODER_WORKER).parameters)
+    if params != ["loop", "input_q", "output_q", "decode_error"]:
+        raise _fail(f"rtcrtpreceiver.decoder_worker takes {params}")
+    if "get_decoder" not in _code_names(_STOCK_DECODER_WORKER):
+        raise _fail("rtcrtpreceiver.decoder_worker no longer calls get_decoder")
+    if "decoder_worker" not in _code_names(RTCRtpReceiver.receive):
+        raise _fail("RTCRtpReceiver.receive no longer starts decoder_worker")
+    if "_RTCRtpReceiver__decoder_queue" not in _code_names(RTCRtpReceiver.__init__):
+        raise _fail("RTCRtpReceiver no longer has a decoder queue")
 
-def apply(audio_prefetch: int = 1) -> None:
-    """Install the three patches (idempotent); a second call only changes the prefetch.
 
-    The prefetch applies to receivers created afterwards. Call once at start-up, before any
+def apply(audio_prefetch: int = 1, opus: str = "opuslib") -> None:
+    """Install the patches (idempotent); a second call only changes the prefetch and codec.
+
+    Both apply to peer connections created afterwards. Call once at start-up, before any
     RTCPeerConnection exists.
     """
     if audio_prefetch < 0:
         raise ValueError(f"audio_prefetch must be >= 0, got {audio_prefetch}")
+    if opus not in OPUS_CODECS:
+        raise ValueError(f"opus must be one of {OPUS_CODECS}, not {opus!r}")
     _state["audio_prefetch"] = int(audio_prefetch)
     if _state["applied"]:
+        _set_opus(opus)
         return
     verify()
     # Patch every aiortc module that bound the level function by name, not just aiortc.rtp.
@@ -225,6 +297,7 @@ def apply(audio_prefetch: int = 1) -> None:
     _state["level_sites"] = sites
     _rtcrtpreceiver.JitterBuffer = _PrefetchJitterBuffer  # type: ignore[misc]
     RTCRtpSender._next_encoded_frame = _next_encoded_frame_inline  # type: ignore[method-assign]
+    _set_opus(opus)
     _state["applied"] = True
 
 
@@ -237,12 +310,18 @@ def restore() -> None:
     _state["level_sites"] = []
     _rtcrtpreceiver.JitterBuffer = _STOCK_JITTER_BUFFER  # type: ignore[misc]
     RTCRtpSender._next_encoded_frame = _STOCK_NEXT_ENCODED_FRAME  # type: ignore[method-assign]
+    _set_opus("aiortc")
     _state["applied"] = False
 
 
 def applied() -> bool:
     """Whether the patches are installed now."""
     return bool(_state["applied"])
+
+
+def opus_codec() -> str:
+    """Which Opus implementation peer connections created now get."""
+    return str(_state["opus"]) if _state["applied"] else "aiortc"
 
 
 def audio_prefetch() -> int:

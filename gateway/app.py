@@ -13,12 +13,15 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import aiortc_tuning, speech
 from gateway import events as ev
-from gateway import speech
 from gateway.auth import Authenticator, AuthError, Grant
 from gateway.config import OmniConfig
 from gateway.metrics import GatewayMetrics
+from gateway.opus import opus_rate_for
+from gateway.playout import PLAYOUT_RATE
 from gateway.protocol import ProtocolError, SessionConfig, TurnDetection
+from gateway.resample import CALLER_RATE
 from gateway.session import RealtimeSession
 from gateway.speech import Utterance
 from gateway.webrtc import WebRTCTransport
@@ -140,12 +143,20 @@ class Gateway:
         if session is not None:
             call.config.apply(session)
         pc = RTCPeerConnection(self._ice_config())
-        transport = WebRTCTransport(call, pc)
+        libopus = aiortc_tuning.opus_codec() == "opuslib"
+        # with libopus, agent audio is played (and coded) at the Opus rate nearest the
+        # vocoder's, caller audio decoded straight to what the VAD takes
+        playout_rate = opus_rate_for(self.vocoder_rate) if libopus else PLAYOUT_RATE
+        transport = WebRTCTransport(call, pc, playout_rate)
         call.bind(transport)
         try:
             await pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
-            if not any(t.kind == "audio" for t in pc.getTransceivers()):
+            audio = [t for t in pc.getTransceivers() if t.kind == "audio"]
+            if not audio:
                 raise ValueError("the offer has no audio media section")
+            if libopus:
+                for transceiver in audio:
+                    aiortc_tuning.decode_at(transceiver.receiver, CALLER_RATE)
             await pc.setLocalDescription(await pc.createAnswer())
         except Exception as exc:
             await call.close("bad offer")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError
@@ -55,6 +55,11 @@ class GatewayConfig(Strict):
         le=16,
         description="jitter-buffer frames before "
         "playout of caller audio (aiortc's default is 4, ~80 ms)",
+    )
+    opus: Literal["opuslib", "aiortc"] = Field(
+        "opuslib",
+        description="Opus for WebRTC media: libopus at the pipeline's rates (16 kHz mono in, "
+        "the vocoder's rate out, no resampling), or aiortc's own (48 kHz stereo both ways)",
     )
     turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)

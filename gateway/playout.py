@@ -1,9 +1,10 @@
 """The agent's voice as an aiortc audio track: 20 ms frames on the wall clock, never a gap.
 
 aiortc's sender pulls `recv()` in a loop and sends whatever it gets, so the track itself sets the
-pace: one 960-sample frame (48 kHz mono s16) every 20 ms on an absolute schedule, audio from the
-queue when there is some and silence when there is none. The queue is what barge-in empties:
-`clear()` drops everything not yet returned, so the next frame is already silent.
+pace: one 20 ms frame (mono s16, 48 kHz unless told otherwise) every 20 ms on an absolute
+schedule, audio from the queue when there is some and silence when there is none. The queue
+is what barge-in empties: `clear()` drops everything not yet returned, so the next frame is
+already silent.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ logger = logging.getLogger(__name__)
 
 PLAYOUT_RATE = 48_000
 FRAME_SAMPLES = 960  # 20 ms, aiortc's audio packetization time
-_TIME_BASE = fractions.Fraction(1, PLAYOUT_RATE)
 
 
 class PlayoutTrack(MediaStreamTrack):
@@ -51,12 +51,16 @@ class PlayoutTrack(MediaStreamTrack):
         on_stopped: Callable[[], None] | None = None,
         on_mark: Callable[[object], None] | None = None,
         max_lag_s: float = 0.2,
+        rate: int = PLAYOUT_RATE,
     ) -> None:
         super().__init__()
         self.on_started = on_started
         self.on_stopped = on_stopped
         self.on_mark = on_mark
         self.max_lag_s = max_lag_s
+        self.rate = rate  # 48 kHz for aiortc's own encoder; an Opus rate for opuslib's
+        self.frame_samples = rate // 50  # 20 ms
+        self._time_base = fractions.Fraction(1, rate)
         self.played_samples = 0  # audio samples sent, silence not counted
         self._chunks: collections.deque[tuple[np.ndarray, object | None]] = collections.deque()
         self._head_offset = 0  # samples of _chunks[0] already sent
@@ -64,7 +68,7 @@ class PlayoutTrack(MediaStreamTrack):
         self._playing = False
         self._start: float | None = None
         self._pts = 0
-        self._silence = np.zeros(FRAME_SAMPLES, np.int16)
+        self._silence = np.zeros(self.frame_samples, np.int16)
 
     @property
     def is_playing(self) -> bool:
@@ -76,9 +80,10 @@ class PlayoutTrack(MediaStreamTrack):
         """Samples waiting to be played."""
         return self._queued
 
-    def enqueue(self, pcm48k: np.ndarray, mark: object | None = None) -> None:
-        """Queue 48 kHz mono PCM16 (any length, copied); `mark` is reported once it has played."""
-        pcm = np.array(pcm48k, dtype=np.int16, copy=True).reshape(-1)
+    def enqueue(self, pcm: np.ndarray, mark: object | None = None) -> None:
+        """Queue mono PCM16 at the track's rate (any length, copied); `mark` is reported once
+        it has played."""
+        pcm = np.array(pcm, dtype=np.int16, copy=True).reshape(-1)
         if len(pcm) == 0 and mark is None:
             return
         self._chunks.append((pcm, mark))
@@ -104,9 +109,9 @@ class PlayoutTrack(MediaStreamTrack):
         await self._wait_for_slot()
         pcm, played, marks = self._take_frame()
         frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = PLAYOUT_RATE
+        frame.sample_rate = self.rate
         frame.pts = self._pts
-        frame.time_base = _TIME_BASE
+        frame.time_base = self._time_base
         self._report(played, marks)
         return frame
 
@@ -115,8 +120,8 @@ class PlayoutTrack(MediaStreamTrack):
         if self._start is None:
             self._start = loop.time()
             return
-        self._pts += FRAME_SAMPLES
-        due = self._start + self._pts / PLAYOUT_RATE
+        self._pts += self.frame_samples
+        due = self._start + self._pts / self.rate
         wait = due - loop.time()
         if wait > 0:
             await asyncio.sleep(wait)
@@ -126,15 +131,15 @@ class PlayoutTrack(MediaStreamTrack):
             self._start -= wait
 
     def _take_frame(self) -> tuple[np.ndarray, int, list[object]]:
-        """(960 samples, how many of them are audio, marks completed by this frame)."""
+        """(one frame of samples, how many of them are audio, marks completed by this frame)."""
         marks: list[object] = []
         if not self._chunks:
             return self._silence, 0, marks
-        out = np.zeros(FRAME_SAMPLES, np.int16)
+        out = np.zeros(self.frame_samples, np.int16)
         filled = 0
         while self._chunks:
             chunk, mark = self._chunks[0]
-            take = min(FRAME_SAMPLES - filled, len(chunk) - self._head_offset)
+            take = min(self.frame_samples - filled, len(chunk) - self._head_offset)
             out[filled : filled + take] = chunk[self._head_offset : self._head_offset + take]
             filled += take
             self._head_offset += take

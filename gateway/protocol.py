@@ -20,6 +20,8 @@ from gateway.config import TurnDetectionConfig
 INPUT_RATE = 24_000  # audio/pcm in the Realtime API: PCM16 mono 24 kHz, little-endian
 OUTPUT_RATE = 24_000
 MAX_OUTPUT_TOKENS = 4096
+OPUS = "audio/opus"
+OPUS_RATE = 24_000  # what the agent's audio/opus is coded at
 
 
 class ProtocolError(ValueError):
@@ -94,9 +96,22 @@ def _audio_format(value: Any, param: str) -> str:
         if rate != INPUT_RATE:
             raise unsupported(f"{param}.rate={rate}", "audio/pcm is 24000 Hz")
         return kind
+    if kind == OPUS:
+        # an extension: one 20 ms Opus packet per event, base64 (docs/realtime.md); Opus
+        # decodes any coded rate, so `rate` is only a description
+        rate = value.get("rate", OPUS_RATE)
+        if rate not in (8000, 12000, 16000, 24000, 48000):
+            raise unsupported(f"{param}.rate={rate}", "Opus rates are 8, 12, 16, 24, 48 kHz")
+        return kind
     if kind in ("audio/pcmu", "audio/pcma"):
         raise unsupported(f"{param}.type={kind!r}", "G.711 is not built; use audio/pcm")
-    raise ProtocolError(f"{param}.type must be 'audio/pcm', not {kind!r}", param=f"{param}.type")
+    raise ProtocolError(
+        f"{param}.type must be 'audio/pcm' or 'audio/opus', not {kind!r}", param=f"{param}.type"
+    )
+
+
+def format_json(kind: str) -> dict[str, Any]:
+    return {"type": kind, "rate": OPUS_RATE if kind == OPUS else INPUT_RATE}
 
 
 def _modalities(value: Any, param: str) -> list[str]:
@@ -252,7 +267,7 @@ class SessionConfig:
             "instructions": self.instructions,
             "audio": {
                 "input": {
-                    "format": {"type": self.input_format, "rate": INPUT_RATE},
+                    "format": format_json(self.input_format),
                     "transcription": self.transcription,
                     "noise_reduction": None,
                     "turn_detection": (
@@ -260,7 +275,7 @@ class SessionConfig:
                     ),
                 },
                 "output": {
-                    "format": {"type": self.output_format, "rate": OUTPUT_RATE},
+                    "format": format_json(self.output_format),
                     "voice": self.voice,
                     "speed": 1.0,
                 },

@@ -44,6 +44,9 @@ class Downmixer:
     def convert(self, frame: av.AudioFrame) -> np.ndarray:
         """Int16 mono samples for `frame` (the first call returns a little less: filter delay)."""
         shape = (frame.format.name, frame.layout.name, frame.sample_rate)
+        if shape == ("s16", "mono", self.rate) and self._resampler is None:
+            # already what we want (libopus decoded it at this rate): no filter, no delay
+            return frame.to_ndarray().reshape(-1)
         head = np.zeros(0, np.int16)
         if shape != self._input_shape:
             head = self.flush()

@@ -18,7 +18,7 @@ from stages.supervisor import Supervisor
 
 def prepare_media(config: OmniConfig) -> None:
     """Process-wide aiortc/aioice settings; before the first peer connection."""
-    aiortc_tuning.apply(config.gateway.audio_prefetch)
+    aiortc_tuning.apply(config.gateway.audio_prefetch, config.gateway.opus)
     restrict_host_addresses(config.gateway.ice_host_addresses)
 
 

@@ -30,8 +30,11 @@ from gateway import events as ev
 from gateway.chunker import Chunker
 from gateway.conversation import Conversation, Item, item_from_client
 from gateway.metrics import GatewayMetrics
+from gateway.opus import PacketCodec
 from gateway.protocol import (
     INPUT_RATE,
+    OPUS,
+    OUTPUT_RATE,
     ProtocolError,
     ResponseParams,
     SessionConfig,
@@ -275,7 +278,7 @@ class RealtimeSession:
         )
 
     def append_audio(self, audio_b64: Any) -> None:
-        """input_audio_buffer.append: base64 PCM16 mono 24 kHz."""
+        """input_audio_buffer.append: base64 PCM16 mono 24 kHz, or one 20 ms Opus packet."""
         if not isinstance(audio_b64, str):
             raise ProtocolError("audio must be a base64 string", param="audio")
         try:
@@ -284,6 +287,16 @@ class RealtimeSession:
             raise ProtocolError(
                 f"audio is not valid base64: {exc}", param="audio", code="invalid_audio"
             ) from None
+        if self.config.input_format == OPUS:
+            try:
+                self.feed_audio(self.opus.decode(raw))
+            except ValueError as exc:
+                raise ProtocolError(
+                    f"audio/opus: {exc}; the packet was dropped",
+                    param="audio",
+                    code="invalid_audio",
+                ) from None
+            return
         if len(raw) % 2:
             raise ProtocolError(
                 "audio/pcm is 16-bit samples: an odd number of bytes cannot be it",
@@ -292,6 +305,14 @@ class RealtimeSession:
             )
         pcm = np.frombuffer(raw, dtype="<i2").astype(np.int16)
         self.feed_audio(self._input_resampler.convert(pcm))
+
+    @property
+    def opus(self) -> PacketCodec:
+        """This session's libopus coder for the audio/opus format (made on first use)."""
+        codec = getattr(self, "_opus", None)
+        if codec is None:
+            codec = self._opus = PacketCodec(CALLER_RATE, OUTPUT_RATE)
+        return codec
 
     @property
     def _input_resampler(self) -> Upsampler:

@@ -25,14 +25,18 @@ class WebRTCTransport:
 
     kind = "webrtc"
 
-    def __init__(self, session: RealtimeSession, pc: RTCPeerConnection) -> None:
+    def __init__(
+        self, session: RealtimeSession, pc: RTCPeerConnection, playout_rate: int = PLAYOUT_RATE
+    ) -> None:
         self.session = session
         self.pc = pc
         self.channel: RTCDataChannel | None = None
         self._pending: list[str] = []
         self.downmixer = Downmixer()
-        self.upsampler = Upsampler(session.vocoder_rate, PLAYOUT_RATE)
-        self.playout = PlayoutTrack(on_started=self._playout_started, on_mark=self._played_mark)
+        self.upsampler = Upsampler(session.vocoder_rate, playout_rate)
+        self.playout = PlayoutTrack(
+            on_started=self._playout_started, on_mark=self._played_mark, rate=playout_rate
+        )
         pc.addTrack(self.playout)
         pc.on("track", self._attach_track)
         pc.on("datachannel", self._attach_channel)
@@ -104,8 +108,8 @@ class WebRTCTransport:
     def heard_samples(self, response: ActiveResponse) -> int:
         if response.playback_start is None:
             return 0
-        played48 = max(0, self.playout.played_samples - response.playback_start)
-        return played48 * self.session.vocoder_rate // PLAYOUT_RATE
+        played = max(0, self.playout.played_samples - response.playback_start)
+        return played * self.session.vocoder_rate // self.playout.rate
 
     def _playout_started(self) -> None:
         response = self.session.response

@@ -1,6 +1,7 @@
 """The WebSocket transport of a Realtime session (GET /v1/realtime?model=...): JSON events both
 ways; the caller's audio in `input_audio_buffer.append`, the agent's in
-`response.output_audio.delta`, both base64 PCM16 mono 24 kHz."""
+`response.output_audio.delta`, both base64 PCM16 mono 24 kHz, or (the `audio/opus` extension)
+one 20 ms Opus packet each."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 from aiohttp import WSMsgType, web
 
 from gateway import events as ev
-from gateway.protocol import OUTPUT_RATE
+from gateway.protocol import OPUS, OUTPUT_RATE
 from gateway.resample import Upsampler
 from gateway.session import MAX_EVENT_BYTES, ActiveResponse, RealtimeSession
 
@@ -52,11 +53,19 @@ class WebSocketTransport:
     def play(self, response: ActiveResponse, pcm: np.ndarray) -> None:
         if response.playback_start is None:
             self.resampler.reset()
+            if self.session.config.output_format == OPUS:
+                self.session.opus.reset()
             response.playback_start = time.monotonic()
         self._delta(response, self.resampler.convert(pcm))
 
-    def _delta(self, response: ActiveResponse, pcm24k: np.ndarray) -> None:
-        if len(pcm24k):
+    def _delta(self, response: ActiveResponse, pcm24k: np.ndarray, last: bool = False) -> None:
+        if self.session.config.output_format == OPUS:  # one 20 ms packet per delta
+            payloads = self.session.opus.encode(pcm24k)
+            if last:
+                payloads += self.session.opus.flush()
+        else:
+            payloads = [pcm24k.astype("<i2").tobytes()] if len(pcm24k) else []
+        for payload in payloads:
             self.send_event(
                 ev.event(
                     "response.output_audio.delta",
@@ -64,16 +73,18 @@ class WebSocketTransport:
                     item_id=response.item.id,
                     output_index=0,
                     content_index=0,
-                    delta=base64.b64encode(pcm24k.astype("<i2").tobytes()).decode(),
+                    delta=base64.b64encode(payload).decode(),
                 )
             )
 
     def finish(self, response: ActiveResponse) -> None:
-        self._delta(response, self.resampler.flush())
+        self._delta(response, self.resampler.flush(), last=True)
         self.session.playback_done(response.response_id)  # the client holds the rest
 
     def clear(self) -> None:
         self.resampler.reset()
+        if self.session.config.output_format == OPUS:
+            self.session.opus.reset()
 
     def heard_samples(self, response: ActiveResponse) -> int:
         if response.playback_start is None:

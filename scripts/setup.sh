@@ -9,8 +9,10 @@ want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
 apt_packages=()
-# espeak-ng and sox make the speech files the tests speak; libopus0 backs opuslib; the demo
-# page's tests drive Debian's chromium through Playwright (never `playwright install`)
+# libopus0 backs opuslib (the gateway's Opus codec); espeak-ng and sox make the speech files
+# the tests speak; the demo page's tests drive Debian's chromium through Playwright (never
+# `playwright install`)
+ldconfig -p 2>/dev/null | grep -q 'libopus\.so\.0' || apt_packages+=(libopus0)
 if (( want_test )); then
   command -v espeak-ng >/dev/null || apt_packages+=(espeak-ng)
   command -v sox >/dev/null || apt_packages+=(sox)

@@ -179,12 +179,19 @@ class Echo(MediaStreamTrack):
     def __init__(self, source: MediaStreamTrack) -> None:
         super().__init__()
         self._source = source
+        self.shapes: set[tuple[int, str]] = set()  # (rate, layout) of what arrived
 
     async def recv(self) -> AudioFrame:
-        return await self._source.recv()  # type: ignore[return-value]
+        frame = await self._source.recv()
+        self.shapes.add((frame.sample_rate, frame.layout.name))  # type: ignore[union-attr]
+        return frame  # type: ignore[return-value]
 
 
-async def echo_round_trips_ms(bursts: int = 6) -> list[float]:
+async def echo_round_trips_ms(
+    bursts: int = 6, decode_rate: int | None = None, echoes: list[Echo] | None = None
+) -> list[float]:
+    """Round trips of tone bursts through an echoing peer; with `decode_rate`, the echoer's
+    receiver decodes at that rate (aiortc_tuning.decode_at)."""
     caller = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     echoer = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     source = ToneBursts()
@@ -204,13 +211,22 @@ async def echo_round_trips_ms(bursts: int = 6) -> list[float]:
             loud = now_loud
         heard_all.set()
 
-    echoer.on("track", lambda track: echoer.addTrack(Echo(track)))
+    def echo(track: MediaStreamTrack) -> None:
+        track_echo = Echo(track)
+        if echoes is not None:
+            echoes.append(track_echo)
+        echoer.addTrack(track_echo)
+
+    echoer.on("track", echo)
     caller.on(
         "track", lambda track: listeners.append(asyncio.create_task(listen(track), name="listen"))
     )
     try:
         await caller.setLocalDescription(await caller.createOffer())
         await echoer.setRemoteDescription(caller.localDescription)
+        if decode_rate is not None:
+            for transceiver in echoer.getTransceivers():
+                aiortc_tuning.decode_at(transceiver.receiver, decode_rate)
         await echoer.setLocalDescription(await echoer.createAnswer())
         await caller.setRemoteDescription(echoer.localDescription)
         await asyncio.wait_for(heard_all.wait(), timeout=20)
@@ -244,8 +260,28 @@ async def test_loopback_round_trip_drops_with_tuning(
     stock = statistics.median(await echo_round_trips_ms())
     assert encoder_threads and loop_thread not in encoder_threads
     encoder_threads.clear()
-    aiortc_tuning.apply(audio_prefetch=1)
+    aiortc_tuning.apply(audio_prefetch=1, opus="aiortc")
     tuned = statistics.median(await echo_round_trips_ms())
     assert encoder_threads == {loop_thread}
     print(f"\nloopback echo round trip (median of 6): stock {stock:.0f} ms, tuned {tuned:.0f} ms")
     assert tuned < stock
+
+
+async def test_opuslib_decodes_at_the_pipeline_rate_and_keeps_the_round_trip(
+    monkeypatch: pytest.MonkeyPatch, stock_aiortc: None
+) -> None:
+    """With opus="opuslib", a marked receiver gets 16 kHz mono straight from libopus (no
+    resampler), the echo sends it back coded at 16 kHz, and the round trip is no slower."""
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4, use_ipv6: ["127.0.0.1"])
+    aiortc_tuning.apply(audio_prefetch=1, opus="aiortc")
+    with_aiortc = statistics.median(await echo_round_trips_ms())
+    aiortc_tuning.apply(audio_prefetch=1, opus="opuslib")
+    assert aiortc_tuning.opus_codec() == "opuslib"
+    echoes: list[Echo] = []
+    with_libopus = statistics.median(await echo_round_trips_ms(decode_rate=16_000, echoes=echoes))
+    assert echoes and echoes[0].shapes == {(16_000, "mono")}
+    print(
+        f"\nloopback echo round trip: aiortc Opus {with_aiortc:.0f} ms, "
+        f"libopus {with_libopus:.0f} ms"
+    )
+    assert with_libopus < with_aiortc + 20

@@ -1,0 +1,86 @@
+"""gateway.opus: libopus at the pipeline's rates, and the WebSocket packet codec."""
+
+from __future__ import annotations
+
+import fractions
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from av import AudioFrame
+
+from gateway.opus import OpuslibDecoder, OpuslibEncoder, PacketCodec, opus_rate_for
+
+
+def tone(rate: int, seconds: float, hz: float = 440.0) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (np.sin(2 * np.pi * hz * t) * 8000).astype(np.int16)
+
+
+def frame(pcm: np.ndarray, rate: int, layout: str = "mono") -> AudioFrame:
+    channels = 2 if layout == "stereo" else 1
+    f = AudioFrame.from_ndarray(
+        np.repeat(pcm, channels).reshape(1, -1), format="s16", layout=layout
+    )
+    f.sample_rate, f.pts, f.time_base = rate, 0, fractions.Fraction(1, rate)
+    return f
+
+
+@dataclass
+class RtpFrame:  # what aiortc's jitter buffer hands a decoder
+    data: bytes
+    timestamp: int
+
+
+def level(pcm: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(pcm.astype(float) ** 2)))
+
+
+def test_rates_map_to_the_nearest_opus_rate() -> None:
+    assert [opus_rate_for(r) for r in (8000, 16000, 22050, 24000, 44100)] == [
+        8000,
+        16000,
+        24000,
+        24000,
+        48000,
+    ]
+
+
+def test_encoder_codes_opus_rates_as_they_are_and_resamples_the_rest() -> None:
+    encoder = OpuslibEncoder()
+    decoder = OpuslibDecoder(16_000)
+    pcm = tone(24_000, 1.0)
+    out = []
+    for i, start in enumerate(range(0, len(pcm), 480)):
+        payloads, timestamp = encoder.encode(frame(pcm[start : start + 480], 24_000))
+        assert len(payloads) == 1 and timestamp == i * 960  # RTP clock is 48 kHz
+        for f in decoder.decode(RtpFrame(payloads[0], timestamp)):
+            assert (f.sample_rate, f.layout.name, f.samples) == (16_000, "mono", 320)
+            out.append(f.to_ndarray().reshape(-1))
+    heard = np.concatenate(out)
+    assert level(heard[1600:]) > 0.7 * level(pcm)  # the tone survives, at 16 kHz
+    # 44.1 kHz stereo in 10 ms frames (not an Opus shape) goes through a resampler
+    other = OpuslibEncoder()
+    payloads = []
+    for _ in range(10):
+        payloads += other.encode(frame(tone(44_100, 0.01), 44_100, "stereo"))[0]
+    assert len(payloads) in (4, 5)  # 100 ms of audio, 20 ms packets, minus filter delay
+
+
+def test_decoder_drops_a_corrupt_packet_and_goes_on() -> None:
+    decoder = OpuslibDecoder(16_000)
+    assert decoder.decode(RtpFrame(b"\xff\xff\xff", 0)) == []
+    packet = OpuslibEncoder().encode(frame(tone(16_000, 0.02), 16_000))[0][0]
+    assert decoder.decode(RtpFrame(packet, 960))[0].samples == 320
+
+
+def test_packet_codec_round_trip_and_bad_packets() -> None:
+    sender, receiver = PacketCodec(out_rate=24_000), PacketCodec(in_rate=16_000)
+    pcm = tone(24_000, 0.5)
+    packets = sender.encode(pcm[:5000]) + sender.encode(pcm[5000:]) + sender.flush()
+    assert len(packets) == 25 and all(len(p) < 200 for p in packets)
+    heard = np.concatenate([receiver.decode(p) for p in packets])
+    assert len(heard) == 25 * 320 and level(heard[1600:]) > 0.7 * level(pcm)
+    for bad in (b"", b"\xff\xfe\x00garbage", bytes(2000)):
+        with pytest.raises(ValueError):
+            receiver.decode(bad)
