@@ -154,6 +154,8 @@ class RealtimeSession:
         self.manual_audio: list[np.ndarray] = []
         self.manual_samples = 0
         self._partial_frame = np.zeros(0, np.int16)
+        self._in_rs: Upsampler | None = None
+        self._opus: PacketCodec | None = None
         self.closed = asyncio.Event()
         self._pending_events: list[dict[str, Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -309,17 +311,16 @@ class RealtimeSession:
     @property
     def opus(self) -> PacketCodec:
         """This session's libopus coder for the audio/opus format (made on first use)."""
-        codec = getattr(self, "_opus", None)
-        if codec is None:
-            codec = self._opus = PacketCodec(CALLER_RATE, OUTPUT_RATE)
-        return codec
+        if self._opus is None:
+            self._opus = PacketCodec(CALLER_RATE, OUTPUT_RATE)
+        return self._opus
 
     @property
     def _input_resampler(self) -> Upsampler:
-        resampler = getattr(self, "_in_rs", None)
-        if resampler is None:
-            resampler = self._in_rs = Upsampler(INPUT_RATE, CALLER_RATE)
-        return resampler
+        """24 kHz audio/pcm from a WebSocket client down to the caller rate."""
+        if self._in_rs is None:
+            self._in_rs = Upsampler(INPUT_RATE, CALLER_RATE)
+        return self._in_rs
 
     def commit_audio(self) -> None:
         """input_audio_buffer.commit: the buffered audio is a user turn."""
