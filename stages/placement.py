@@ -157,7 +157,7 @@ def apply_memory_share(device: str, fraction: float | None) -> None:
         return
     import torch
 
-    torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device))
+    torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device).index or 0)
 
 
 def visible_report() -> dict[str, object]:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from gateway.config import load_config
 from stages.config import PipelineConfig
-from stages.placement import MULTICAST_OFF, PlacementError, plan, wants_gpus
+from stages.placement import MULTICAST_OFF, PlacementError, apply_memory_share, plan, wants_gpus
 from stages.rings import RingNames
 from stages.supervisor import Supervisor
 from stages.worker import StageSpec, stage_main
@@ -175,3 +175,15 @@ def _probe_stage(spec: StageSpec, conn) -> None:
 
     with contextlib.suppress(SystemExit):
         stage_main(spec, Probe())
+
+
+@pytest.mark.parametrize(("device", "index"), [("cuda", 0), ("cuda:1", 1)])
+def test_memory_share_goes_to_the_stage_s_own_device(monkeypatch, device, index) -> None:
+    """torch wants an indexed device: a bare 'cuda' (seen failing on the H200) is GPU 0."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a: calls.append(a))
+    apply_memory_share(device, 0.05)
+    apply_memory_share("cpu", None)
+    assert calls == [(0.05, index)]
