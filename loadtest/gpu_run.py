@@ -302,9 +302,10 @@ async def run_callers(base: str, n: int, speech: np.ndarray, turns: int) -> list
         procs.append((proc, parent))
     reports: list[dict[str, Any]] = []
     budget = 60 + turns * 45
+    deadline = time.monotonic() + budget  # one deadline for all: the processes run at once
     try:
         for _, parent in procs:
-            if await asyncio.to_thread(parent.poll, budget):
+            if await asyncio.to_thread(parent.poll, max(0.0, deadline - time.monotonic())):
                 reports.extend(parent.recv())
             else:
                 log(f"a callers' process sent no report within {budget} s")
