@@ -348,8 +348,13 @@ async def measure_itl(
                 try:
                     await asyncio.wait_for(asyncio.gather(*waits), 60)
                 except TimeoutError:
-                    kinds = sorted({(x.session, x.stage, x.kind.name) for x in tap.since(mark)})
-                    raise TimeoutError(f"replies not done in 60 s; seen since: {kinds}") from None
+                    done = {
+                        x.msg.response_id for x in tap.since(mark) if x.kind.name == "RESPONSE_DONE"
+                    }
+                    missing = sorted(set(sent) - done)
+                    raise TimeoutError(
+                        f"{len(missing)} replies not done in 60 s: {missing[:4]}"
+                    ) from None
                 firsts = _first_deltas(tap.since(mark), set(sent))
                 ttft += [(firsts[i] - sent[i]) / 1e6 for i in sent if i in firsts]
         finally:
