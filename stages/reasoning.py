@@ -78,6 +78,12 @@ class Response:
     task: asyncio.Task[None] | None = None
     text: str = ""
     finished: bool = False
+    recorded: bool = False  # its text is in the conversation (once, whoever stops it)
+
+    def record(self, conversation: Conversation, text: str) -> None:
+        if not self.recorded:
+            self.recorded = True
+            conversation.add("assistant", text)
 
 
 @dataclass
@@ -188,7 +194,11 @@ class ReasoningStage(Stage):
             if old is not None and old.response is not None:
                 self._spawn(self._stop(old.response), f"stop-{s}")
         elif item.kind is Kind.CANCEL:
-            self._spawn(self._cancel(s, item.msg), f"cancel-{s}")
+            # the reply the CANCEL found: by the time the task runs, a new turn may have started
+            # another (or the session been closed and reopened), which it must not touch
+            state = self.sessions.get(s)
+            response = state.response if state else None
+            self._spawn(self._cancel(s, state, response, item.msg), f"cancel-{s}")
         elif item.kind is Kind.TRANSCRIPT:
             msg: Transcript = item.msg
             state = self._state(s)
@@ -248,7 +258,7 @@ class ReasoningStage(Stage):
     ) -> None:
         if previous is not None:  # one reply at a time per session
             await self._stop(previous)
-            state.conversation.add("assistant", previous.text)
+            previous.record(state.conversation, previous.text)
         e = response.epoch
         started = ResponseStarted(response.response_id, turn_id, options.audio, options.paced)
         self.send("vocoder", session, started, epoch=e)
@@ -275,7 +285,7 @@ class ReasoningStage(Stage):
             status = "failed"
             self.error(session, "generation_failed", f"{type(exc).__name__}: {exc}")
         response.finished = True
-        state.conversation.add("assistant", response.text)
+        response.record(state.conversation, response.text)
         done = ResponseDone(response.response_id, status, response.text, index, first_ns)
         self.send("vocoder", session, done, epoch=e)
         self.send(GATEWAY, session, done, epoch=e)
@@ -296,15 +306,20 @@ class ReasoningStage(Stage):
             await self._stop(state.response)
             state.response = None
 
-    async def _cancel(self, session: int, msg: Cancel) -> None:
+    async def _cancel(
+        self,
+        session: int,
+        state: SessionState | None,
+        response: Response | None,
+        msg: Cancel,
+    ) -> None:
         seq, usage = self.engine.kv_stats_seq(), self.engine.kv_usage()
-        state = self.sessions.get(session)
-        response = state.response if state else None
         if state is not None and response is not None and not response.finished:
             await self._stop(response)
-            state.response = None
+            if state.response is response:
+                state.response = None
             heard = msg.spoken_text if msg.spoken_text is not None else response.text
-            state.conversation.add("assistant", heard)
+            response.record(state.conversation, heard)
         elif state is not None and msg.spoken_text is not None and msg.response_id:
             # the reply had finished generating but was still being spoken
             self._truncate(state, Truncate(msg.response_id, msg.spoken_text))
