@@ -103,23 +103,37 @@ def last_voiced_frame(pcm48k: np.ndarray) -> int:
     return int(voiced[-1]) // FRAME if len(voiced) else 0
 
 
+def _clips(speech48k: np.ndarray | list[np.ndarray]) -> list[np.ndarray]:
+    return list(speech48k) if isinstance(speech48k, list | tuple) else [speech48k]
+
+
 async def converse(
     base_url: str,
-    speech48k: np.ndarray,
+    speech48k: np.ndarray | list[np.ndarray],
     turns: int,
     listen_s: float,
     start_delay_s: float,
     reply_timeout_s: float,
 ) -> dict[str, Any]:
-    """One caller's conversation; returns its call id and the times of each turn."""
-    last_frame = last_voiced_frame(speech48k)
-    call = await ConversationCall.connect(base_url)
+    """One caller's conversation; returns its call id and the times of each turn.
+
+    `speech48k` is one clip, or several spoken in turn. A call the gateway refuses (503, at
+    capacity) is reported with `refused` set and no turns. `arrivals` are the receive times
+    of every agent frame, silence included, for the audio gaps the caller heard."""
+    clips = _clips(speech48k)
+    last_frames = [last_voiced_frame(c) for c in clips]
+    await asyncio.sleep(start_delay_s)  # callers start spread out, as real ones do
+    try:
+        call = await ConversationCall.connect(base_url)
+    except ConnectionError as exc:
+        refused = "503" in str(exc)
+        return {"call_id": None, "turns": [], "refused": refused, "error": str(exc)}
     mic, speaker = call.microphone, call.speaker
-    out: dict[str, Any] = {"call_id": call.call_id, "turns": [], "error": None}
+    out: dict[str, Any] = {"call_id": call.call_id, "turns": [], "refused": False, "error": None}
     try:
         await call.next_event("session.created")
-        await asyncio.sleep(start_delay_s)  # callers start spread out, as real ones do
         for k in range(turns):
+            speech48k, last_frame = clips[k % len(clips)], last_frames[k % len(clips)]
             mic.play(speech48k)
             await mic.drained.wait()
             onset = mic.clip_started[-1]
@@ -142,6 +156,7 @@ async def converse(
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
+        out["arrivals"] = list(speaker.arrivals)
         await call.close()
     return out
 
@@ -149,7 +164,7 @@ async def converse(
 async def _callers(
     base_url: str,
     n: int,
-    speech48k: np.ndarray,
+    speech48k: np.ndarray | list[np.ndarray],
     turns: int,
     listen_s: float,
     spread_s: float,
@@ -175,7 +190,7 @@ async def _callers(
 def run_conversations(
     base_url: str,
     n: int,
-    speech48k: np.ndarray,
+    speech48k: np.ndarray | list[np.ndarray],
     turns: int,
     listen_s: float = 0.8,
     spread_s: float = 2.0,

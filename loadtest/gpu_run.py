@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -253,8 +254,13 @@ def inter_token_ms(seen: list[Seen], response_ids: set[str] | None = None) -> li
 
 
 def load_figures(
-    reports: list[dict[str, Any]], seen: list[Seen], silence_ms: int
+    reports: list[dict[str, Any]],
+    seen: list[Seen],
+    silence_ms: int,
+    qs: tuple[float, ...] = (50, 95),
 ) -> dict[str, Any]:
+    """Turn latency and its hops, barge-in at the client (percentiles `qs`), cancel latency
+    per stage and inter-token latency (p50/p99) of one load."""
     turns = turn_hops(reports, seen)
     total = [t["turn"] for t in turns]
     barge = [
@@ -269,12 +275,12 @@ def load_figures(
         "turns_answered": len(total),
         "turns_asked": sum(len(r["turns"]) for r in reports),
         "errors": [r["error"] for r in reports if r["error"]],
-        "turn_ms": summary(total, 50, 95),
-        "turn_beyond_vad_window_ms": summary([x - silence_ms for x in total], 50, 95),
+        "turn_ms": summary(total, *qs),
+        "turn_beyond_vad_window_ms": summary([x - silence_ms for x in total], *qs),
         "hops_ms": {
-            name: summary([t[name] for t in turns if name in t], 50, 95) for name, _, _ in HOPS
+            name: summary([t[name] for t in turns if name in t], *qs) for name, _, _ in HOPS
         },
-        "barge_in_at_client_ms": summary(barge, 50, 95),
+        "barge_in_at_client_ms": summary(barge, *qs),
         "cancel_ms": {k: summary(v, 50, 99) for k, v in sorted(cancels.items())},
         "inter_token_ms_during_calls": summary(inter_token_ms(seen), 50, 99),
     }
@@ -283,18 +289,24 @@ def load_figures(
 # -- running a layout --------------------------------------------------------------------
 
 
-def _callers_process(base: str, n: int, speech: np.ndarray, turns: int, seed: int, conn) -> None:
+def _callers_process(base: str, n: int, speech: Any, turns: int, seed: int, conn) -> None:
     from loadtest.conversation import run_conversations
 
     conn.send(run_conversations(base, n, speech, turns, seed=seed))
 
 
-async def run_callers(base: str, n: int, speech: np.ndarray, turns: int) -> list[dict[str, Any]]:
-    """`n` conversations from processes of CALLERS_PER_PROCESS callers each."""
+async def run_callers(
+    base: str,
+    n: int,
+    speech: np.ndarray | list[np.ndarray],
+    turns: int,
+    per_process: int = CALLERS_PER_PROCESS,
+) -> list[dict[str, Any]]:
+    """`n` conversations from processes of `per_process` callers each."""
     ctx = mp.get_context("spawn")
     procs = []
-    for i in range(math.ceil(n / CALLERS_PER_PROCESS)):
-        k = min(CALLERS_PER_PROCESS, n - i * CALLERS_PER_PROCESS)
+    for i in range(math.ceil(n / per_process)):
+        k = min(per_process, n - i * per_process)
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_callers_process, args=(base, k, speech, turns, i, child))
         proc.start()
@@ -382,9 +394,11 @@ def _first_deltas(seen: list[Seen], ids: set[str]) -> dict[str, int]:
     return first
 
 
-async def measure_layout(
-    config: Any, supervisor: Any, speech: np.ndarray, args: argparse.Namespace
-) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def tapped_gateway(config: Any, supervisor: Any) -> AsyncIterator[tuple[str, Any, Tap]]:
+    """The gateway served on 127.0.0.1 (an ephemeral port) next to running stages, with a Tap
+    on its stage events; yields (base URL, Gateway, Tap). Afterwards the process-wide media
+    settings are restored."""
     from aiohttp import web
 
     from gateway import aiortc_tuning
@@ -399,43 +413,61 @@ async def measure_layout(
     tap.install()
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = "http://{}:{}".format(*runner.addresses[0][:2])
-    silence_ms = config.gateway.turn_detection.silence_duration_ms
-    out: dict[str, Any] = {"loads": {}, "inter_token": {}}
     try:
-        log("warm-up: one caller, two turns (not counted)")
-        await run_callers(base, 1, speech, 2)
-        await calls_gone(gateway)
-        for n in args.loads:
-            turns = args.turns_single if n == 1 else args.turns
-            log(f"{n} caller(s), {turns} turns each")
-            mark = len(tap.seen)
-            t0 = time.monotonic()
-            try:
-                reports = await run_callers(base, n, speech, turns)
-                figures = load_figures(reports, tap.since(mark), silence_ms)
-            except Exception as exc:  # the other loads still run; the failure is reported
-                log(f"{n} callers failed: {type(exc).__name__}: {exc}")
-                figures = {"error": f"{type(exc).__name__}: {exc}"}
-            figures["wall_s"] = round(time.monotonic() - t0, 1)
-            out["loads"][str(n)] = figures
-            log(f"{n} callers: {json.dumps(figures)}")
-            await calls_gone(gateway)
-        vocoder_pid = supervisor.stages["vocoder"].process.pid
-        for n in args.itl_streams:
-            log(f"inter-token latency, {n} replies at once")
-            try:
-                out["inter_token"][str(n)] = await measure_itl(gateway, tap, vocoder_pid, n, 2)
-            except Exception as exc:
-                log(f"inter-token run failed: {type(exc).__name__}: {exc}")
-                out["inter_token"][str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
-            log(f"{n} replies: {json.dumps(out['inter_token'][str(n)])}")
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield "http://{}:{}".format(*runner.addresses[0][:2]), gateway, tap
     finally:
         await runner.cleanup()
         aiortc_tuning.restore()
         restrict_host_addresses(None)
+
+
+async def measure_layout(
+    config: Any, supervisor: Any, speech: np.ndarray, args: argparse.Namespace
+) -> dict[str, Any]:
+    async with tapped_gateway(config, supervisor) as (base, gateway, tap):
+        return await _measure_loads(base, gateway, tap, config, supervisor, speech, args)
+
+
+async def _measure_loads(
+    base: str,
+    gateway: Any,
+    tap: Tap,
+    config: Any,
+    supervisor: Any,
+    speech: np.ndarray,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    silence_ms = config.gateway.turn_detection.silence_duration_ms
+    out: dict[str, Any] = {"loads": {}, "inter_token": {}}
+    log("warm-up: one caller, two turns (not counted)")
+    await run_callers(base, 1, speech, 2)
+    await calls_gone(gateway)
+    for n in args.loads:
+        turns = args.turns_single if n == 1 else args.turns
+        log(f"{n} caller(s), {turns} turns each")
+        mark = len(tap.seen)
+        t0 = time.monotonic()
+        try:
+            reports = await run_callers(base, n, speech, turns)
+            figures = load_figures(reports, tap.since(mark), silence_ms)
+        except Exception as exc:  # the other loads still run; the failure is reported
+            log(f"{n} callers failed: {type(exc).__name__}: {exc}")
+            figures = {"error": f"{type(exc).__name__}: {exc}"}
+        figures["wall_s"] = round(time.monotonic() - t0, 1)
+        out["loads"][str(n)] = figures
+        log(f"{n} callers: {json.dumps(figures)}")
+        await calls_gone(gateway)
+    vocoder_pid = supervisor.stages["vocoder"].process.pid
+    for n in args.itl_streams:
+        log(f"inter-token latency, {n} replies at once")
+        try:
+            out["inter_token"][str(n)] = await measure_itl(gateway, tap, vocoder_pid, n, 2)
+        except Exception as exc:
+            log(f"inter-token run failed: {type(exc).__name__}: {exc}")
+            out["inter_token"][str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"{n} replies: {json.dumps(out['inter_token'][str(n)])}")
     return out
 
 
