@@ -93,7 +93,8 @@ async def test_spoken_turn_gets_transcript_and_spoken_reply(server, make_speech)
 
         # what arrived is speech, and as long as what the gateway says it played
         session = gateway_of(app).calls[call.call_id]
-        played_s = session.transport.playout.played_samples / 48000
+        playout = session.transport.playout
+        played_s = playout.played_samples / playout.rate
         voiced = voiced_frames(call)
         assert played_s > 1.0 and len(voiced) * 0.02 > 0.5 * played_s
         heard = call.speaker.pcm().astype(np.float64)
