@@ -250,18 +250,33 @@ async def _answer(
         return openai_error(400, str(exc), code="invalid_sdp")
 
 
+def _form_text(field: Any) -> str | None:
+    """A multipart field as text: a plain field, a typed part (aiohttp gives bytes for
+    application/sdp and application/json parts, as OpenAI's SDKs send them), or a file."""
+    if isinstance(field, str):
+        return field
+    if isinstance(field, (bytes, bytearray)):
+        return bytes(field).decode()
+    if field is not None and hasattr(field, "file"):
+        return field.file.read().decode()
+    return None
+
+
 async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None] | web.Response:
     """The `sdp` and optional `session` (JSON) fields of a multipart/form-data offer, the
     shape OpenAI's SDKs send when they configure the session with the call."""
     form = await request.post()
-    sdp, session = form.get("sdp"), form.get("session")
-    if not isinstance(sdp, str):
-        return openai_error(400, "the form needs an 'sdp' text field", code="invalid_sdp")
+    try:
+        sdp, session = _form_text(form.get("sdp")), _form_text(form.get("session"))
+    except UnicodeDecodeError:
+        return openai_error(400, "the form's fields must be UTF-8 text", code="invalid_request")
+    if sdp is None:
+        return openai_error(400, "the form needs an 'sdp' field", code="invalid_sdp")
     if session is None:
         return sdp, None
     try:
-        parsed = json.loads(session if isinstance(session, str) else session.file.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        parsed = json.loads(session)
+    except json.JSONDecodeError as exc:
         return openai_error(400, f"'session' is not JSON: {exc}", code="invalid_json")
     return sdp, parsed
 

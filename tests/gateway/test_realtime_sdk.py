@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import time
 import wave
 from collections.abc import AsyncIterator, Iterator
@@ -18,9 +19,10 @@ import numpy as np
 import opuslib
 import pytest
 import pytest_asyncio
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from openai import AsyncOpenAI
 
-from gateway.client import RealtimeCall, typed_event
+from gateway.client import Microphone, RealtimeCall, typed_event
 from gateway.config import load_config
 from stages.audio import resample
 from stages.supervisor import Supervisor
@@ -474,3 +476,26 @@ async def test_opus_over_the_websocket(base, make_speech) -> None:
         f"{8 * received / (len(deltas) * 0.02) / 1000:.1f} kbit/s of base64)"
     )
     assert sent < 0.2 * pcm_in and received < 0.2 * pcm_out
+
+
+async def test_sdk_webrtc_call_with_its_session(base) -> None:
+    """client.realtime.calls.create: a multipart offer carrying the session configuration."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    channel = pc.createDataChannel("oai-events")
+    events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    channel.on("message", lambda message: events.put_nowait(json.loads(message)))
+    pc.addTrack(Microphone())
+    try:
+        await pc.setLocalDescription(await pc.createOffer())
+        async with sdk(base) as client:
+            answer = await client.realtime.calls.create(
+                sdp=pc.localDescription.sdp,
+                session={"type": "realtime", "instructions": "Speak like a robot."},
+            )
+        await pc.setRemoteDescription(RTCSessionDescription(answer.text, "answer"))
+        async with asyncio.timeout(20):
+            created = await events.get()
+        assert created["type"] == "session.created"
+        assert created["session"]["instructions"] == "Speak like a robot."
+    finally:
+        await pc.close()
