@@ -54,6 +54,7 @@ def load_speecht5(
     minlenratio: float = 0.0,
     maxlenratio: float = 20.0,
     chunk_ms: int = MAX_CHUNK_MS,
+    stream_steps: int = 4,
     dtype: str | None = None,
     num_threads: int | None = None,
     warmup: bool = True,
@@ -63,7 +64,9 @@ def load_speecht5(
 
     ``speaker_embedding``: ``.npy`` file of the speaker's x-vector. ``threshold``, ``minlenratio``
     and ``maxlenratio`` go to ``generate_speech`` (stop probability, and bounds on mel frames per
-    input token). ``chunk_ms``: the longest chunk yielded. ``num_threads``: torch intra-op threads
+    input token). ``chunk_ms``: the longest chunk yielded. ``stream_steps``: decoder steps (of
+    ``reduction_factor`` mel frames each) per streamed block; 0 speaks whole phrases through
+    ``generate_speech``. ``num_threads``: torch intra-op threads
     of this process (process-wide). ``warmup``: speak one word now so the first phrase is not slow.
     """
 
@@ -79,6 +82,7 @@ def load_speecht5(
             "minlenratio",
             "maxlenratio",
             "chunk_ms",
+            "stream_steps",
             "dtype",
             "num_threads",
             "warmup",
@@ -93,6 +97,10 @@ def load_speecht5(
         )
     if isinstance(chunk_ms, bool) or not isinstance(chunk_ms, int) or not 10 <= chunk_ms <= 100:
         raise SpeechOptionError(f"speecht5 option chunk_ms={chunk_ms!r} must be an int in 10..100")
+    if not isinstance(stream_steps, int) or isinstance(stream_steps, bool) or stream_steps < 0:
+        raise SpeechOptionError(
+            f"speecht5 option stream_steps={stream_steps!r} must be an int >= 0"
+        )
     torch_device = load_device(device, "speecht5")
     torch_dtype = _torch_dtype(dtype)
     set_torch_threads(num_threads, "speecht5")
@@ -125,6 +133,7 @@ def load_speecht5(
         minlenratio=minlenratio,
         maxlenratio=maxlenratio,
         chunk_ms=chunk_ms,
+        stream_steps=stream_steps,
         random_weights=random_weights,
     )
     if warmup:
@@ -202,6 +211,7 @@ class SpeechT5Voice:
         minlenratio: float = 0.0,
         maxlenratio: float = 20.0,
         chunk_ms: int = MAX_CHUNK_MS,
+        stream_steps: int = 4,
         random_weights: bool = False,
     ) -> None:
         import torch
@@ -218,6 +228,7 @@ class SpeechT5Voice:
             "maxlenratio": maxlenratio,
         }
         self._chunk_ms = chunk_ms
+        self.stream_steps = stream_steps
         self.random_weights = random_weights
         self.sample_rate: int = int(vocoder.config.sampling_rate)
         config = model.config
@@ -228,9 +239,76 @@ class SpeechT5Voice:
         self._lock = threading.Lock()
 
     def synthesize(self, text: str) -> Iterator[np.ndarray]:
-        """Yield int16 chunks of ``text`` spoken, piece by piece; closing stops between pieces."""
+        """Yield int16 chunks of ``text`` spoken as they are made; closing stops the model at
+        the next block (streaming) or between pieces."""
         for piece in _pieces(text, self.max_tokens):
-            yield from split_pcm16(self._speak(piece), self.sample_rate, self._chunk_ms)
+            if self.stream_steps:
+                for block in self._stream(piece):
+                    yield from split_pcm16(block, self.sample_rate, self._chunk_ms)
+            else:
+                yield from split_pcm16(self._speak(piece), self.sample_rate, self._chunk_ms)
+
+    def _stream(self, text: str) -> Iterator[np.ndarray]:
+        """transformers' `_generate_speech` loop for one utterance, vocoding as it goes.
+
+        Every `stream_steps` decoder steps the post-net runs over the spectrogram so far (it is
+        a few 5-wide convolutions: cheap) and HiFi-GAN turns the frames that have their right
+        context into audio, with some frames of left context whose samples are dropped, so
+        block edges do not click. The last block takes everything.
+        """
+        import torch
+
+        model, config = self._model, self._model.config
+        r, bins = config.reduction_factor, config.num_mel_bins
+        postnet = model.speech_decoder_postnet
+        input_ids = self._processor(text=text, return_tensors="pt").input_ids
+        input_ids = input_ids[:, : self.max_tokens].to(model.device)
+        with self._lock, torch.inference_mode():
+            mask = 1 - (input_ids == config.pad_token_id).int()
+            encoded = model.speecht5.encoder(
+                input_values=input_ids, attention_mask=mask, return_dict=True
+            ).last_hidden_state
+        kw = self._generate_kwargs
+        maxlen = int(encoded.size(1) * kw["maxlenratio"] / r)
+        minlen = int(encoded.size(1) * kw["minlenratio"] / r)
+        sequence = encoded.new_zeros(1, 1, bins)
+        frames: list[Any] = []
+        past = None
+        vocoded = 0  # post-net frames already turned into audio
+        for step in range(1, maxlen + 1):
+            with self._lock, torch.inference_mode():
+                prenet = model.speecht5.decoder.prenet(sequence, self._speaker)
+                out = model.speecht5.decoder.wrapped_decoder(
+                    hidden_states=prenet[:, -1:],
+                    attention_mask=None,
+                    encoder_hidden_states=encoded,
+                    encoder_attention_mask=mask,
+                    past_key_values=past,
+                    use_cache=True,
+                    return_dict=True,
+                )
+                hidden = out.last_hidden_state.squeeze(1)
+                past = out.past_key_values
+                spectrum = postnet.feat_out(hidden).view(1, r, bins)
+                frames.append(spectrum)
+                sequence = torch.cat((sequence, spectrum[:, -1:, :]), dim=1)
+                stop = float(torch.sigmoid(postnet.prob_out(hidden)).sum()) >= kw["threshold"]
+                last = step == maxlen or (step >= minlen and stop)
+                if not last and step % self.stream_steps:
+                    continue
+                mel = postnet.postnet(torch.cat(frames, dim=1))[0]
+                ready = len(mel) if last else len(mel) - _RIGHT_CONTEXT
+                if ready <= vocoded:
+                    continue
+                left = min(vocoded, _LEFT_CONTEXT)
+                right = len(mel) - ready
+                wave = self._vocoder(mel[vocoded - left :]).float()
+                hop = len(wave) // (len(mel) - vocoded + left)
+                block = wave[left * hop : len(wave) - right * hop].cpu().numpy()
+            vocoded = ready
+            yield float_to_pcm16(block)
+            if last:
+                return
 
     def _speak(self, text: str) -> np.ndarray:
         import torch
@@ -242,6 +320,12 @@ class SpeechT5Voice:
                 input_ids, self._speaker, vocoder=self._vocoder, **self._generate_kwargs
             )
         return float_to_pcm16(waveform.float().cpu().numpy())
+
+
+# Frames of context a streamed block needs: the post-net's five 5-wide convolutions see 10
+# frames either side; HiFi-GAN's receptive field is a few frames more.
+_RIGHT_CONTEXT = 12
+_LEFT_CONTEXT = 12
 
 
 def _pieces(text: str, max_chars: int) -> Iterator[str]:

@@ -82,12 +82,57 @@ def test_long_text_is_spoken_in_pieces_and_closing_stops_between_them(voice, mon
         spoken.append(piece)
         return speak(piece)
 
+    monkeypatch.setattr(voice, "stream_steps", 0)  # whole phrases through generate_speech
     monkeypatch.setattr(voice, "_speak", recording)
     monkeypatch.setattr(voice, "max_tokens", 12)
     speech = voice.synthesize("one two three four five six seven eight nine ten eleven twelve")
     next(speech)
     speech.close()
     assert spoken == ["one two"]  # "three four" never synthesized
+
+
+class StepCounter:
+    """Counts the decoder's steps (calls of its wrapped decoder)."""
+
+    def __init__(self, voice: SpeechT5Voice, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps = 0
+        inner = voice._model.speecht5.decoder.wrapped_decoder
+        forward = inner.forward
+
+        def counted(*args, **kwargs):
+            self.steps += 1
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(inner, "forward", counted)
+
+
+def test_streaming_yields_audio_long_before_the_phrase_is_made(voice, monkeypatch):
+    text = "Hello, how can I help you today?"
+    monkeypatch.setattr(voice, "stream_steps", 0)
+    whole = np.concatenate(list(voice.synthesize(text)))
+    monkeypatch.setattr(voice, "stream_steps", 4)
+    counter = StepCounter(voice, monkeypatch)
+    speech = voice.synthesize(text)
+    first = next(speech)
+    steps_at_first = counter.steps
+    streamed = np.concatenate([first, *speech])
+    assert len(first) > 0 and steps_at_first < counter.steps / 3
+    # the same frames, vocoded in blocks: the same length, and as loud
+    assert len(streamed) == len(whole)
+    assert 0.5 < np.std(streamed.astype(float)) / np.std(whole.astype(float)) < 2.0
+
+
+def test_closing_a_stream_stops_the_decoder(voice, monkeypatch):
+    counter = StepCounter(voice, monkeypatch)
+    speech = voice.synthesize("Hello, how can I help you today?")
+    next(speech)
+    at_close = counter.steps
+    speech.close()
+    tokens = voice._processor(
+        text="Hello, how can I help you today?", return_tensors="pt"
+    ).input_ids.shape[1]
+    steps_if_run = tokens * MAXLENRATIO // voice._model.config.reduction_factor
+    assert counter.steps == at_close < steps_if_run / 2
 
 
 def test_pieces_cut_at_spaces_and_never_exceed_the_limit():
