@@ -135,7 +135,8 @@ async def converse(
         for k in range(turns):
             speech48k, last_frame = clips[k % len(clips)], last_frames[k % len(clips)]
             mic.play(speech48k)
-            await mic.drained.wait()
+            # bounded: a connection that fails stops pulling frames, and drained never comes
+            await asyncio.wait_for(mic.drained.wait(), len(speech48k) / 48000 + reply_timeout_s)
             onset = mic.clip_started[-1]
             first = bisect.bisect_left(mic.send_times, onset)
             end_of_speech = mic.send_times[first + last_frame]

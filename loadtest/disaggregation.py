@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--models-root", type=Path, default=None)
-    parser.add_argument("--out", type=Path, default=Path("disaggregation"))
+    parser.add_argument("--out", type=Path, default=Path("out/disaggregation"))
     args = parser.parse_args(argv)
     from loadtest.report import machine
     from stages.backends.tiny_speech_models import default_cache_folder, ensure_speecht5

@@ -87,11 +87,7 @@ def spoken_questions(folder: Path, questions: tuple[str, ...] = QUESTIONS) -> li
 
 def frame_intervals_ms(arrivals: list[float]) -> np.ndarray:
     """Intervals between consecutive frame arrivals (ms)."""
-    return (
-        np.diff(np.asarray(arrivals, dtype=np.float64)) * 1000
-        if len(arrivals) > 1
-        else (np.zeros(0))
-    )
+    return np.diff(np.asarray(arrivals, dtype=np.float64)) * 1000
 
 
 def gap_figures(per_call_arrivals: list[list[float]]) -> dict[str, Any]:
@@ -117,7 +113,7 @@ def gap_figures(per_call_arrivals: list[list[float]]) -> dict[str, Any]:
 def saturation(loads: dict[str, dict[str, Any]], factor: float = 2.0) -> int | None:
     """The first load whose turn p95 is over `factor` times the lightest load's, or that left
     a turn unanswered (refused callers aside): where the pipeline stops keeping up."""
-    ordered = sorted((int(n), f) for n, f in loads.items() if "turn_ms" in f)
+    ordered = sorted(((int(n), f) for n, f in loads.items() if "turn_ms" in f), key=lambda x: x[0])
     if not ordered:
         return None
     base = ordered[0][1]["turn_ms"]["p95"]
@@ -150,10 +146,11 @@ def growth(samples: list[dict[str, Any]], key: str) -> dict[str, float] | None:
 
 @dataclass
 class Processes:
-    """The gateway (this process) and the stage processes, each with its children (vLLM's
-    engine core is the reasoning stage's)."""
+    """The gateway (this process alone: the stages and the callers are its children) and the
+    stage processes with their children (vLLM's engine core is the reasoning stage's)."""
 
     pids: dict[str, int]
+    alone: frozenset[str] = frozenset({"gateway"})
     _procs: dict[str, Any] = field(default_factory=dict)
 
     def _tree(self, name: str) -> list[Any]:
@@ -162,6 +159,8 @@ class Processes:
         proc = self._procs.get(name)
         if proc is None or not proc.is_running():
             proc = self._procs[name] = psutil.Process(self.pids[name])
+        if name in self.alone:
+            return [proc]
         with contextlib.suppress(psutil.Error):
             return [proc, *proc.children(recursive=True)]
         return []
@@ -186,14 +185,15 @@ class Processes:
         return {name: self._sum(name, lambda p: p.memory_info().rss) for name in self.pids}
 
 
-def shm_bytes(prefix: str | None = None) -> int:
-    """Bytes of shared memory in use: the segments under /dev/shm (those named with `prefix`,
-    or all)."""
+def shm_bytes(prefix: str | None = None, allocated: bool = False) -> int:
+    """Bytes of shared memory in use (pages touched) or `allocated` (segment sizes): the
+    segments under /dev/shm named with `prefix`, or all of them."""
     total = 0
     for entry in os.scandir(SHM):
         if prefix is None or entry.name.startswith(prefix):
             with contextlib.suppress(OSError):
-                total += entry.stat().st_blocks * 512
+                st = entry.stat()
+                total += st.st_size if allocated else st.st_blocks * 512
     return total
 
 
@@ -208,6 +208,7 @@ async def sample_resources(
                 "t": round(time.monotonic() - t0, 2),
                 "calls": len(gateway.calls),
                 "shm": shm_bytes(),
+                "shm_allocated": shm_bytes(allocated=True),
                 **{f"rss_{k}": v for k, v in rss.items()},
             }
         )
@@ -251,6 +252,7 @@ async def measure(config: Any, supervisor: Any, clips: list[np.ndarray], args: A
                 try:
                     reports = await run_callers(base, n, clips, args.turns, args.per_process)
                     figures = load_report(
+                        n,
                         reports,
                         tap.since(mark),
                         silence_ms,
@@ -271,13 +273,15 @@ async def measure(config: Any, supervisor: Any, clips: list[np.ndarray], args: A
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
     out["memory_over_run"] = {  # from the end of the warm-up (first calls load code)
-        k: growth(samples[after_warm_up:], k) for k in ("shm", *(f"rss_{p}" for p in pids))
+        k: growth(samples[after_warm_up:], k)
+        for k in ("shm", "shm_allocated", *(f"rss_{p}" for p in pids))
     }
     out["saturates_at"] = saturation(out["loads"])
     return out
 
 
 def load_report(
+    callers: int,
     reports: list[dict[str, Any]],
     seen: list[Any],
     silence_ms: int,
@@ -292,9 +296,10 @@ def load_report(
     figures = load_figures(reports, seen, silence_ms, qs=(50, 95, 99))
     admitted = [r for r in reports if r.get("call_id")]
     figures["sessions"] = {
-        "callers": len(reports),
+        "callers": callers,
         "admitted": len(admitted),
         "refused": sum(bool(r.get("refused")) for r in reports),
+        "no_report": callers - len(reports),  # their process missed the deadline
     }
     figures["errors"] = [e for e in figures["errors"] if not e.startswith("gateway answered 503")]
     figures["gaps_at_callers"] = gap_figures([r.get("arrivals", []) for r in admitted])
@@ -308,7 +313,7 @@ def load_report(
     }
     figures["cpu_pct_of_a_core_total"] = {k: round(100 * v / wall_s, 1) for k, v in used.items()}
     figures["wall_s"] = round(wall_s, 1)
-    keys = sorted({k for s in samples for k in s if k == "shm" or k.startswith("rss_")})
+    keys = sorted({k for s in samples for k in s if k.startswith(("shm", "rss_"))})
     figures["memory"] = {k: growth(samples, k) for k in keys}
     return figures
 
@@ -333,7 +338,7 @@ def _f(x: Any) -> str:
 def table(results: dict[str, Any]) -> str:
     loads = results["loads"]
     rows = [
-        "| callers | admitted / refused | turns | turn p50 / p95 / p99 ms | "
+        "| callers | admitted / refused / no report | turns | turn p50 / p95 / p99 ms | "
         + " | ".join(f"{h} p50" for h, _, _ in HOPS)
         + " | barge-in p50 / p95 | cancel last ack p50 / p99 |",
         "|---:|---:|---:|---:|" + "---:|" * len(HOPS) + "---:|---:|",
@@ -345,8 +350,9 @@ def table(results: dict[str, Any]) -> str:
         t, b, s = f["turn_ms"], f["barge_in_at_client_ms"], f["sessions"]
         c = f["cancel_ms"].get("last_ack", {})
         rows.append(
-            f"| {n} | {s['admitted']} / {s['refused']} | {f['turns_answered']} of "
-            f"{f['turns_asked']} | {_f(t['p50'])} / {_f(t['p95'])} / {_f(t['p99'])} | "
+            f"| {n} | {s['admitted']} / {s['refused']} / {s['no_report']} | "
+            f"{f['turns_answered']} of {f['turns_asked']} | "
+            f"{_f(t['p50'])} / {_f(t['p95'])} / {_f(t['p99'])} | "
             + " | ".join(_f(f["hops_ms"][h]["p50"]) for h, _, _ in HOPS)
             + f" | {_f(b['p50'])} / {_f(b['p95'])} | {_f(c.get('p50'))} / {_f(c.get('p99'))} |"
         )
@@ -453,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-calls", type=int, default=8, help="gateway.max_calls")
     parser.add_argument("--turns", type=int, default=3, help="turns per caller")
     parser.add_argument("--per-process", type=int, default=4, help="callers per process")
-    parser.add_argument("--out", type=Path, default=Path("load-report"))
+    parser.add_argument("--out", type=Path, default=Path("out/load-report"))
     args = parser.parse_args(argv)
     from gateway.config import load_config
     from stages.supervisor import Supervisor

@@ -75,6 +75,7 @@ def test_a_load_counts_refused_callers_and_charges_cpu_to_admitted_sessions() ->
         {"call_id": None, "turns": [], "refused": True, "error": "gateway answered 503: full"}
     )
     figures = load_report(
+        4,
         reports,
         [],
         500,
@@ -84,7 +85,7 @@ def test_a_load_counts_refused_callers_and_charges_cpu_to_admitted_sessions() ->
         wall_s=10.0,
         samples=[{"t": 0, "shm": MIB, "rss_gateway": 9 * MIB}, {"t": 1, "shm": MIB}],
     )
-    assert figures["sessions"] == {"callers": 3, "admitted": 2, "refused": 1}
+    assert figures["sessions"] == {"callers": 4, "admitted": 2, "refused": 1, "no_report": 1}
     assert figures["errors"] == []  # a refusal is counted, not an error
     assert figures["cpu_pct_of_a_core_per_session"] == {"gateway": 5.0, "vocoder": 2.5}
     assert figures["gaps_at_callers"]["calls"] == 2 and figures["gaps_at_gateway"]["calls"] == 1
