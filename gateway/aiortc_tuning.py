@@ -39,7 +39,7 @@ from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
 from av import AudioFrame
 
-from gateway.opus import OpuslibDecoder, OpuslibEncoder
+from gateway.opus import OpuslibDecoder, OpuslibEncoder, opuslib
 
 __all__ = [
     "OPUS_CODECS",
@@ -283,6 +283,8 @@ def apply(audio_prefetch: int = 1, opus: str = "opuslib") -> None:
         raise ValueError(f"audio_prefetch must be >= 0, got {audio_prefetch}")
     if opus not in OPUS_CODECS:
         raise ValueError(f"opus must be one of {OPUS_CODECS}, not {opus!r}")
+    if opus == "opuslib":
+        opuslib()  # OpusUnavailable now, naming what to install, rather than at the first call
     _state["audio_prefetch"] = int(audio_prefetch)
     if _state["applied"]:
         _set_opus(opus)

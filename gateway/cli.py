@@ -79,11 +79,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_start(args: argparse.Namespace) -> int:
     from gateway.auth import Authenticator
     from gateway.config import load_config
+    from gateway.opus import opuslib
     from gateway.server import serve
     from stages.supervisor import Supervisor
 
     config = load_config(args.config, _overrides(args))
-    Authenticator(config.gateway.auth)  # no API key with auth on: say so before the slow part
+    # say what is missing before the slow part: no API key with auth on, no libopus
+    Authenticator(config.gateway.auth)
+    if config.gateway.opus == "opuslib":
+        opuslib()
     supervisor = Supervisor(config, log_level=logging.getLogger().level)
     try:
         _progress(f"starting stages from {args.config}")

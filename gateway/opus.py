@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import fractions
 import logging
+from types import ModuleType
+from typing import Any
 
 import av
 import numpy as np
-import opuslib
 from av import AudioFrame
 
 logger = logging.getLogger(__name__)
@@ -31,13 +32,30 @@ VOICE_BITRATE = 32_000  # mono speech: transparent well below aiortc's 96 kb/s s
 # The agent's voice is clean synthesized speech: libopus' "audio" mode at complexity 5 codes it
 # in a quarter of the CPU of "voip" at 10 (SILK), which is what the gateway pays per call
 # (loadtest/opus_bench.py: 395 -> 94 µs per 20 ms at 24 kHz, this machine).
-ENCODER_APPLICATION = opuslib.APPLICATION_AUDIO
+ENCODER_APPLICATION = "audio"
 ENCODER_COMPLEXITY = 5
 
 
-def voice_encoder(rate: int) -> opuslib.Encoder:
+class OpusUnavailable(ValueError):
+    """opuslib or the libopus it loads is missing; the message says what to install."""
+
+
+def opuslib() -> ModuleType:
+    """The opuslib module, imported on first use: a gateway on `gateway.opus: aiortc` and
+    without the audio/opus format runs where libopus is not installed."""
+    try:
+        import opuslib as lib
+    except Exception as exc:  # opuslib raises a bare Exception when libopus is missing
+        raise OpusUnavailable(
+            f"libopus through opuslib is not available ({exc}): install Debian's libopus0 "
+            "and the opuslib package (scripts/setup.sh does both), or set gateway.opus: aiortc"
+        ) from None
+    return lib
+
+
+def voice_encoder(rate: int) -> Any:
     """A mono libopus encoder for the agent's voice at `rate`."""
-    encoder = opuslib.Encoder(rate, 1, ENCODER_APPLICATION)
+    encoder = opuslib().Encoder(rate, 1, ENCODER_APPLICATION)
     encoder.bitrate = VOICE_BITRATE
     encoder.complexity = ENCODER_COMPLEXITY
     return encoder
@@ -58,12 +76,13 @@ class OpuslibDecoder:
         self.rate = rate
         self.time_base = fractions.Fraction(1, rate)
         self.max_samples = rate * 120 // 1000  # the longest Opus packet: 120 ms
-        self._decoder = opuslib.Decoder(rate, 1)
+        self._lib = opuslib()
+        self._decoder = self._lib.Decoder(rate, 1)
 
     def decode(self, encoded_frame: object) -> list[AudioFrame]:
         try:
             pcm = self._decoder.decode(bytes(encoded_frame.data), self.max_samples)
-        except opuslib.OpusError as exc:
+        except self._lib.OpusError as exc:
             logger.warning("dropped an Opus packet libopus rejected: %s", exc)
             return []
         samples = np.frombuffer(pcm, dtype=np.int16)
@@ -79,11 +98,11 @@ class OpuslibEncoder:
     else (stereo, 44.1 kHz, other frame sizes) is first resampled to 48 kHz mono, 20 ms."""
 
     def __init__(self) -> None:
-        self._encoders: dict[int, opuslib.Encoder] = {}
+        self._encoders: dict[int, Any] = {}
         self._resampler: av.AudioResampler | None = None
         self._timestamp = 0  # RTP clock of the next packet
 
-    def _encoder(self, rate: int) -> opuslib.Encoder:
+    def _encoder(self, rate: int) -> Any:
         encoder = self._encoders.get(rate)
         if encoder is None:
             encoder = self._encoders[rate] = voice_encoder(rate)
@@ -123,7 +142,8 @@ class PacketCodec:
     def __init__(self, in_rate: int = 16_000, out_rate: int = 24_000) -> None:
         self.in_rate = in_rate
         self.out_rate = out_rate
-        self._decoder = opuslib.Decoder(in_rate, 1)
+        self._lib = opuslib()
+        self._decoder = self._lib.Decoder(in_rate, 1)
         self._encoder = voice_encoder(out_rate)
         self._frame = out_rate * FRAME_MS // 1000
         self._held = np.zeros(0, np.int16)
@@ -134,7 +154,7 @@ class PacketCodec:
             raise ValueError(f"an Opus packet is 1 to {MAX_PACKET_BYTES} bytes, not {len(packet)}")
         try:
             pcm = self._decoder.decode(packet, self.in_rate * 120 // 1000)
-        except opuslib.OpusError as exc:
+        except self._lib.OpusError as exc:
             raise ValueError(f"not an Opus packet: {exc}") from None
         return np.frombuffer(pcm, dtype=np.int16)
 

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.config import TurnDetectionConfig
+from gateway.opus import OpusUnavailable, opuslib
 
 INPUT_RATE = 24_000  # audio/pcm in the Realtime API: PCM16 mono 24 kHz, little-endian
 OUTPUT_RATE = 24_000
@@ -102,6 +103,10 @@ def _audio_format(value: Any, param: str) -> str:
         rate = value.get("rate", OPUS_RATE)
         if rate not in (8000, 12000, 16000, 24000, 48000):
             raise unsupported(f"{param}.rate={rate}", "Opus rates are 8, 12, 16, 24, 48 kHz")
+        try:
+            opuslib()
+        except OpusUnavailable as exc:
+            raise unsupported(f"{param}.type='audio/opus'", str(exc)) from None
         return kind
     if kind in ("audio/pcmu", "audio/pcma"):
         raise unsupported(f"{param}.type={kind!r}", "G.711 is not built; use audio/pcm")

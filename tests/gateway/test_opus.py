@@ -84,3 +84,17 @@ def test_packet_codec_round_trip_and_bad_packets() -> None:
     for bad in (b"", b"\xff\xfe\x00garbage", bytes(2000)):
         with pytest.raises(ValueError):
             receiver.decode(bad)
+
+
+def test_without_libopus_the_error_says_what_to_install(monkeypatch) -> None:
+    import sys
+
+    from gateway.opus import OpusUnavailable
+    from gateway.protocol import ProtocolError, SessionConfig
+
+    monkeypatch.setitem(sys.modules, "opuslib", None)  # as if not installed
+    with pytest.raises(OpusUnavailable, match=r"libopus0.*gateway\.opus: aiortc"):
+        PacketCodec()
+    with pytest.raises(ProtocolError) as err:
+        SessionConfig(voice="v").apply({"audio": {"input": {"format": {"type": "audio/opus"}}}})
+    assert err.value.code == "unsupported" and "libopus0" in str(err.value)
