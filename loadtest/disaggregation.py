@@ -223,12 +223,13 @@ class MonolithicPipeline:
                     self._heard(times, chunk)
                     await asyncio.sleep(0)
             else:
+                # chunks are stamped on the thread as the voice makes them
                 loop = asyncio.get_running_loop()
-                audio = await loop.run_in_executor(
-                    self._synth, lambda p=phrase: list(self.voice.synthesize(p))
-                )
-                for chunk in audio:
-                    self._heard(times, chunk)
+                await loop.run_in_executor(self._synth, self._speak_phrase, phrase, times)
+
+    def _speak_phrase(self, phrase: str, times: TurnTimes) -> None:
+        for chunk in self.voice.synthesize(phrase):
+            self._heard(times, chunk)
 
     @staticmethod
     def _heard(times: TurnTimes, chunk: np.ndarray) -> None:
