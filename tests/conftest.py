@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: no test may leave a shared-memory segment behind; speech recordings.
+"""Suite-wide fixtures: no test may leave a shared-memory segment behind; speech recordings; the
+stages and gateway of an end-to-end module, built from that module's own `config` fixture.
 
 The recordings come from Debian's ``espeak-ng`` and ``sox`` command-line tools (independent of the
 espeak backend under test), with espeak's Klatt variant: PocketSphinx recognizes it far better than
@@ -11,16 +12,20 @@ import os
 import shutil
 import subprocess
 import wave
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+import pytest_asyncio
+from aiohttp import web
 from shm._ring import pid_alive
 
 from shm import list_segments
 from shm.segments import owner_of
+from stages.supervisor import Supervisor
+from tests.serving import serving_gateway
 
 
 @pytest.fixture(autouse=True)
@@ -98,3 +103,18 @@ def make_speech(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Spe
         return made[text]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def supervisor(config) -> Iterator[Supervisor]:
+    """The stages of the requesting module's `config`, running for the whole module."""
+    with Supervisor(config) as sup:
+        sup.start()
+        yield sup
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(config, supervisor) -> AsyncIterator[tuple[str, web.Application]]:
+    """(base URL, app) of the gateway in front of `supervisor`, on 127.0.0.1."""
+    async with serving_gateway(config, supervisor) as served:
+        yield served

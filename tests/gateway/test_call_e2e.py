@@ -7,22 +7,17 @@ import asyncio
 import json
 import multiprocessing
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
-import pytest_asyncio
-from aiohttp import web
 
 from gateway.app import gateway_of
 from gateway.client import RealtimeCall
 from gateway.config import load_config
 from loadtest.callers import worst_gap_ms
 from stages.audio import resample
-from stages.supervisor import Supervisor
-from tests.serving import serving_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
@@ -41,19 +36,6 @@ def config():
             "max_sessions": 16,
         },
     )
-
-
-@pytest.fixture(scope="module")
-def supervisor(config) -> Iterator[Supervisor]:
-    with Supervisor(config) as sup:
-        sup.start()
-        yield sup
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(config, supervisor) -> AsyncIterator[tuple[str, web.Application]]:
-    async with serving_gateway(config, supervisor) as served:
-        yield served
 
 
 def speech48k(recording) -> np.ndarray:

@@ -10,7 +10,6 @@ import io
 import json
 import time
 import wave
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,12 @@ import aiohttp
 import numpy as np
 import opuslib
 import pytest
-import pytest_asyncio
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from openai import AsyncOpenAI
 
 from gateway.client import Microphone, RealtimeCall, typed_event
 from gateway.config import load_config
 from stages.audio import resample
-from stages.supervisor import Supervisor
-from tests.serving import serving_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
@@ -48,16 +44,8 @@ def config():
 
 
 @pytest.fixture(scope="module")
-def supervisor(config) -> Iterator[Supervisor]:
-    with Supervisor(config) as sup:
-        sup.start()
-        yield sup
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def base(config, supervisor) -> AsyncIterator[str]:
-    async with serving_gateway(config, supervisor) as (url, _):
-        yield url
+def base(server) -> str:
+    return server[0]
 
 
 def sdk(base: str, key: str = KEY) -> AsyncOpenAI:

@@ -13,7 +13,7 @@ import asyncio
 import re
 import shutil
 import wave
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -27,8 +27,7 @@ from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 from gateway.app import gateway_of
 from gateway.config import load_config
 from gateway.page import add_page_routes
-from stages.supervisor import Supervisor
-from tests.serving import serving, serving_gateway
+from tests.serving import serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
@@ -67,19 +66,6 @@ def config():
             "gateway.auth": {"api_keys": [API_KEY], "api_keys_env": None},
         },
     )
-
-
-@pytest.fixture(scope="module")
-def supervisor(config) -> Iterator[Supervisor]:
-    with Supervisor(config) as sup:
-        sup.start()
-        yield sup
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(config, supervisor) -> AsyncIterator[tuple[str, web.Application]]:
-    async with serving_gateway(config, supervisor) as served:
-        yield served
 
 
 @pytest.fixture(scope="module")
