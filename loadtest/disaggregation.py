@@ -36,7 +36,6 @@ import datetime
 import itertools
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.gpu_run import log, summary
+from loadtest.voices import spoken
 
 CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
 CHUNK_SAMPLES = 3200  # 200 ms at 16 kHz, as the gateway's chunker sends
@@ -332,19 +332,7 @@ def experiment_config(speecht5: Any, max_tokens: int, sessions: int) -> Any:
 
 def question_pcm(text: str = QUESTION) -> np.ndarray:
     """`text` spoken by espeak-ng, 16 kHz PCM16, with 0.3 s of silence after it."""
-    from stages.audio import read_wav, resample
-
-    with tempfile.TemporaryDirectory() as tmp:
-        import subprocess
-
-        wav = Path(tmp) / "q.wav"
-        subprocess.run(
-            ["espeak-ng", "-v", "en-us+klatt", "-s", "140", "-w", str(wav), text],
-            check=True,
-            capture_output=True,
-        )
-        pcm, rate = read_wav(wav)
-    return np.concatenate([resample(pcm, rate, 16000), np.zeros(4800, np.int16)])
+    return np.concatenate([spoken(text, 16_000, trim=False), np.zeros(4800, np.int16)])
 
 
 def table(results: dict[str, Any]) -> str:

@@ -37,7 +37,7 @@ from gateway.config import load_config
 from gateway.opus import OpuslibDecoder, OpuslibEncoder, opus_rate_for
 from gateway.resample import CALLER_RATE, Downmixer, Upsampler
 from gateway.server import build_app, prepare_media
-from stages.audio import resample
+from loadtest.voices import spoken
 from stages.supervisor import Supervisor
 
 VOCODER_RATE = 22_050  # espeak-ng's
@@ -185,31 +185,13 @@ async def load(n: int, turns: int) -> list[dict]:
         Path("configs/offline.yaml"),
         {"gateway.port": 0, "gateway.max_calls": n + 2, "max_sessions": max(16, n + 4)},
     )
-    speech = resample(_question(), 16_000, 48_000)
+    speech = spoken("what is the weather like")
     with Supervisor(config) as supervisor:
         supervisor.start()
         return [
             await _load_run(config, supervisor, codec, n, turns, speech)
             for codec in ("aiortc", "opuslib")
         ]
-
-
-def _question() -> np.ndarray:
-    import subprocess
-    import tempfile
-    import wave
-
-    with tempfile.TemporaryDirectory() as tmp:
-        raw, wav = f"{tmp}/q.wav", f"{tmp}/q16.wav"
-        subprocess.run(
-            ["espeak-ng", "-v", "en-us+klatt", "-s", "140", "-w", raw, "what is the weather like"],
-            check=True,
-        )
-        subprocess.run(
-            ["sox", raw, "-r", "16000", "-c", "1", "-b", "16", wav, "pad", "0.3", "0.3"], check=True
-        )
-        with wave.open(wav) as w:
-            return np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
 
 
 def main() -> None:

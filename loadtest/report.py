@@ -27,9 +27,7 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +45,7 @@ from loadtest.gpu_run import (
     summary,
     tapped_gateway,
 )
+from loadtest.voices import spoken
 
 CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
 QUESTIONS = (
@@ -62,24 +61,10 @@ SHM = Path("/dev/shm")
 # -- the callers' voices -----------------------------------------------------------------
 
 
-def spoken_questions(folder: Path, questions: tuple[str, ...] = QUESTIONS) -> list[np.ndarray]:
-    """Each question spoken by espeak-ng into a WAV under `folder`; 48 kHz, leading silence
-    cut (so a clip's first frame is speech)."""
-    from stages.audio import read_wav, resample
-
-    folder.mkdir(parents=True, exist_ok=True)
-    clips = []
-    for i, text in enumerate(questions):
-        wav = folder / f"question-{i}.wav"
-        subprocess.run(
-            ["espeak-ng", "-v", "en-us+klatt", "-s", "140", "-w", str(wav), text],
-            check=True,
-            capture_output=True,
-        )
-        pcm, rate = read_wav(wav)
-        start = int(np.argmax(np.abs(pcm) > 500))
-        clips.append(resample(pcm[start:], rate, 48000))
-    return clips
+def spoken_questions(questions: tuple[str, ...] = QUESTIONS) -> list[np.ndarray]:
+    """Each question spoken by espeak-ng, 48 kHz, leading silence cut (a clip's first frame
+    is speech)."""
+    return [spoken(text) for text in questions]
 
 
 # -- analysis ----------------------------------------------------------------------------
@@ -475,8 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_calls": args.max_calls,
     }
     log(f"machine: {results['machine']['summary']}")
-    with tempfile.TemporaryDirectory() as tmp:
-        clips = spoken_questions(Path(tmp))
+    clips = spoken_questions()
     results["caller_speech_s"] = [round(len(c) / 48000, 2) for c in clips]
     config = load_config(
         CONFIG,
