@@ -93,12 +93,16 @@ class WebSocketTransport:
         return min(response.samples, int(elapsed * self.session.vocoder_rate))
 
     async def close(self) -> None:
-        # let what is queued (the last events) go out, briefly, then close
+        # stop the writer, then let what is still queued (the last events) go out in order,
+        # briefly, and close
+        if self._writer is not asyncio.current_task():  # (a failed write closes from it)
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError, RuntimeError):
             async with asyncio.timeout(1.0):
                 while not self._out.empty() and not self.ws.closed:
                     await self.ws.send_str(self._out.get_nowait())
-        self._writer.cancel()
         await self.ws.close()
 
 
