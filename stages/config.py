@@ -76,6 +76,9 @@ class EncoderConfig(TorchStageConfig):
     backend: Literal["pocketsphinx", "whisper"] = "pocketsphinx"
     model: str | None = Field(None, description="whisper: a Hugging Face id or a local folder")
     partial_interval_ms: int = Field(600, ge=0, le=10_000)
+    decode_threads: int = Field(
+        4, ge=1, le=64, description="threads decoding turns (one session's turns run in order)"
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
 
     @model_validator(mode="after")

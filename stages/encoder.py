@@ -1,4 +1,8 @@
-"""The encoder stage: caller audio in, partial and final transcripts out."""
+"""The encoder stage: caller audio in, partial and final transcripts out.
+
+The model loop only routes: recognition runs on per-session lanes (stages.lanes), so a CANCEL is
+acknowledged at once while another session's turn is still being decoded.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import numpy as np
 
 from stages.backends.speech import RecognizerStream, SpeechRecognizer
 from stages.config import EncoderConfig
+from stages.lanes import SessionLanes
 from stages.messages import Kind, SpeechStopped, Transcript
 from stages.rings import GATEWAY
 from stages.worker import Inbound, QueuedStage
@@ -37,9 +42,13 @@ def load_recognizer(config: EncoderConfig) -> SpeechRecognizer:
 
 @dataclass
 class Turn:
+    """One caller turn. The model loop creates and drops it; its stream is touched only by jobs
+    on the session's lane, which skip a dropped turn."""
+
     turn_id: int
     epoch: int
-    stream: RecognizerStream
+    stream: RecognizerStream | None = None  # opened by the turn's first job
+    dropped: bool = False
 
 
 class EncoderStage(QueuedStage):
@@ -49,22 +58,34 @@ class EncoderStage(QueuedStage):
         t0 = time.monotonic()
         self.recognizer = load_recognizer(self.config.encoder)
         self.turns: dict[int, Turn] = {}
+        self.lanes = SessionLanes(
+            self.config.encoder.decode_threads,
+            "encoder-decode",
+            on_error=lambda s, exc: self.error(
+                s, "recognition_failed", f"{type(exc).__name__}: {exc}"
+            ),
+        )
         logger.info("encoder: %s ready in %.1f s", self.recognizer.name, time.monotonic() - t0)
         return {"backend": self.recognizer.name}
+
+    def close(self) -> None:
+        if hasattr(self, "lanes"):
+            for session in list(self.turns):
+                self._drop(session)
+            self.lanes.close(wait=True)
+        super().close()
 
     def handle(self, item: Inbound) -> None:
         s = item.session
         if item.kind is Kind.AUDIO_IN:
             turn = self.turns.get(s) or self._open(s, -1, item.epoch)
-            partial = turn.stream.feed(np.frombuffer(item.msg, dtype=np.int16))
-            if partial:
-                self.send(
-                    GATEWAY, s, Transcript(turn.turn_id, partial, final=False), epoch=item.epoch
-                )
+            pcm = np.frombuffer(item.msg, dtype=np.int16)
+            self.lanes.submit(s, lambda: self._feed(s, turn, pcm))
         elif item.kind is Kind.SPEECH_STARTED:
             self._open(s, item.msg.turn_id, item.epoch)
         elif item.kind is Kind.SPEECH_STOPPED:
-            self._finish(item)
+            turn = self.turns.pop(s, None)
+            self.lanes.submit(s, lambda: self._finish(s, turn, item))
         elif item.kind is Kind.CANCEL:
             # stale audio is gone from the ring already; a turn begun before the cancel is
             # dropped, the speech that caused it (newer epoch) is kept
@@ -77,24 +98,49 @@ class EncoderStage(QueuedStage):
 
     def _open(self, session: int, turn_id: int, epoch: int) -> Turn:
         self._drop(session)
-        turn = Turn(turn_id, epoch, self.recognizer.open_stream())
+        turn = Turn(turn_id, epoch)
         self.turns[session] = turn
         return turn
 
     def _drop(self, session: int) -> None:
         turn = self.turns.pop(session, None)
         if turn is not None:
-            turn.stream.close()
+            turn.dropped = True  # its queued jobs skip it; the lane closes its stream
+            self.lanes.submit(session, lambda: self._close(turn))
 
-    def _finish(self, item: Inbound) -> None:
+    # -- jobs, on the session's lane -------------------------------------------------------
+
+    def _stream(self, turn: Turn) -> RecognizerStream:
+        if turn.stream is None:
+            turn.stream = self.recognizer.open_stream()
+        return turn.stream
+
+    def _close(self, turn: Turn) -> None:
+        if turn.stream is not None:
+            stream, turn.stream = turn.stream, None
+            stream.close()
+
+    def _feed(self, session: int, turn: Turn, pcm: np.ndarray) -> None:
+        if turn.dropped:
+            return
+        partial = self._stream(turn).feed(pcm)
+        if partial:
+            self.send(
+                GATEWAY,
+                session,
+                Transcript(turn.turn_id, partial, final=False),
+                epoch=turn.epoch,
+            )
+
+    def _finish(self, session: int, turn: Turn | None, item: Inbound) -> None:
         msg: SpeechStopped = item.msg
-        turn = self.turns.pop(item.session, None)
         text = ""
         if turn is not None:
             try:
-                text = turn.stream.finish()
+                if not turn.dropped:
+                    text = self._stream(turn).finish()
             finally:
-                turn.stream.close()
+                self._close(turn)
         final = Transcript(
             msg.turn_id,
             text,
@@ -102,5 +148,5 @@ class EncoderStage(QueuedStage):
             create_response=msg.create_response,
             speech_stopped_ns=item.t_ns,
         )
-        self.send(GATEWAY, item.session, final, epoch=item.epoch)
-        self.send("reasoning", item.session, final, epoch=item.epoch)
+        self.send(GATEWAY, session, final, epoch=item.epoch)
+        self.send("reasoning", session, final, epoch=item.epoch)

@@ -1,12 +1,21 @@
-"""The vocoder stage: text deltas in, speech out, phrase by phrase while the reply grows."""
+"""The vocoder stage: text deltas in, speech out, phrase by phrase while the reply grows.
+
+Replies are interleaved a block at a time: each turn of the model loop takes the next chunk
+(one streamed block of a neural voice) of the reply least far ahead of its playback, so one
+caller's long phrase never holds up another caller's first audio, and a CANCEL waits for one
+block at most, not a whole phrase.
+"""
 
 from __future__ import annotations
 
 import collections
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from stages.backends.speech import Voice, split_pcm16
 from stages.config import VocoderConfig
@@ -42,7 +51,7 @@ class Reply:
     epoch: int
     splitter: PhraseSplitter
     pending: collections.deque[str] = field(default_factory=collections.deque)
-    spoken: list[str] = field(default_factory=list)
+    speaking: Iterator[np.ndarray] | None = None  # the phrase being synthesized, chunk by chunk
     samples: int = 0  # synthesized so far
     started: float | None = None  # monotonic time of its first audio
     done_status: str | None = None  # set once the reply's text is complete
@@ -53,6 +62,18 @@ class Reply:
         if self.started is None or not self.paced:
             return 0.0
         return self.samples / rate - (now - self.started)
+
+    @property
+    def has_audio_to_make(self) -> bool:
+        return self.speaking is not None or bool(self.pending)
+
+    def stop_speaking(self) -> None:
+        """Close the phrase's generator: the backend stops at its next block."""
+        if self.speaking is not None:
+            speaking, self.speaking = self.speaking, None
+            close = getattr(speaking, "close", None)
+            if close is not None:
+                close()
 
 
 class VocoderStage(QueuedStage):
@@ -73,7 +94,7 @@ class VocoderStage(QueuedStage):
     def handle(self, item: Inbound) -> None:
         s = item.session
         if item.kind is Kind.RESPONSE_STARTED:
-            self.replies.pop(s, None)
+            self._drop(s)
             if not item.msg.audio:
                 return  # a text-only reply: nothing to say
             cfg = self.config.vocoder
@@ -94,13 +115,23 @@ class VocoderStage(QueuedStage):
                     reply.pending.append(rest)
                 reply.done_status = item.msg.status
         elif item.kind is Kind.CANCEL:
-            self.replies.pop(s, None)
+            self._drop(s)
             self.ack(s, item.msg.cancel_id)
         elif item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
-            self.replies.pop(s, None)
+            self._drop(s)
+
+    def close(self) -> None:
+        for session in list(getattr(self, "replies", ())):
+            self._drop(session)
+        super().close()
+
+    def _drop(self, session: int) -> None:
+        reply = self.replies.pop(session, None)
+        if reply is not None:
+            reply.stop_speaking()
 
     def pump(self) -> float | None:
-        """Speak the next phrase of the reply that is least far ahead of its playback.
+        """Make the next chunk of the reply that is least far ahead of its playback.
 
         Synthesis stays at most `max_lead_ms` ahead of real time: a reply is not turned into a
         minute of audio in one burst, which would hold up every other session (and the
@@ -109,7 +140,7 @@ class VocoderStage(QueuedStage):
         now, rate = time.monotonic(), self.voice.sample_rate
         max_lead = self.config.vocoder.max_lead_ms / 1000
         for session, reply in list(self.replies.items()):
-            if not reply.pending and reply.done_status is not None:
+            if not reply.has_audio_to_make and reply.done_status is not None:
                 del self.replies[session]
                 self.send(
                     GATEWAY,
@@ -117,13 +148,21 @@ class VocoderStage(QueuedStage):
                     AudioDone(reply.response_id, reply.done_status),
                     epoch=reply.epoch,
                 )
-        ready = [(r.lead_s(now, rate), s, r) for s, r in self.replies.items() if r.pending]
+        ready = [
+            (r.lead_s(now, rate), s, r) for s, r in self.replies.items() if r.has_audio_to_make
+        ]
         if not ready:
             return None
-        lead, session, reply = min(ready, key=lambda t: t[0])
+        # ties (replies not started, or unpaced) go to the one with the least audio made
+        lead, session, reply = min(ready, key=lambda t: (t[0], t[2].samples))
         if lead >= max_lead:
             return lead - max_lead
-        self._speak(session, reply, reply.pending.popleft())
+        try:
+            self._speak_chunk(session, reply)
+        except Exception as exc:  # this reply is lost; the other sessions' go on
+            logger.exception("vocoder: speaking for session %d failed", session)
+            self._drop(session)
+            self.error(session, "synthesis_failed", f"{type(exc).__name__}: {exc}")
         return 0.0
 
     def _reply_for(self, item: Inbound) -> Reply | None:
@@ -132,24 +171,27 @@ class VocoderStage(QueuedStage):
             return None  # a reply we never saw start (its start was cancelled): ignore
         return reply
 
-    def _speak(self, session: int, reply: Reply, text: str) -> None:
-        """Synthesize one phrase and stream it in chunks of at most 100 ms, stopping between
-        chunks if the session is cancelled meanwhile."""
+    def _speak_chunk(self, session: int, reply: Reply) -> None:
+        """Synthesize the reply's next chunk (starting its next phrase if need be) and push it
+        in pieces of at most 100 ms."""
         rate = self.voice.sample_rate
-        self.send(GATEWAY, session, Phrase(reply.response_id, text, rate), epoch=reply.epoch)
-        audio = self.outputs[GATEWAY]
-        chunks = self.voice.synthesize(text)
+        if reply.speaking is None:
+            text = reply.pending.popleft()
+            self.send(GATEWAY, session, Phrase(reply.response_id, text, rate), epoch=reply.epoch)
+            reply.speaking = iter(self.voice.synthesize(text))
         try:
-            for chunk in chunks:
-                for piece in split_pcm16(chunk, rate):
-                    if self.control.epoch(session) != reply.epoch:
-                        return  # cancelled mid-phrase: the CANCEL in the inbox acks it
-                    audio.push(session, Kind.AUDIO_OUT, piece.tobytes(), epoch=reply.epoch)
-                    if reply.started is None:
-                        reply.started = time.monotonic()
-                    reply.samples += len(piece)
-        finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()
-        reply.spoken.append(text)
+            chunk = next(reply.speaking)
+        except StopIteration:
+            reply.speaking = None
+            return
+        except BaseException:
+            reply.stop_speaking()
+            raise
+        audio = self.outputs[GATEWAY]
+        for piece in split_pcm16(chunk, rate):
+            if self.control.epoch(session) != reply.epoch:
+                return  # cancelled meanwhile: the CANCEL in the inbox drops the reply
+            audio.push(session, Kind.AUDIO_OUT, piece.tobytes(), epoch=reply.epoch)
+            if reply.started is None:
+                reply.started = time.monotonic()
+            reply.samples += len(piece)

@@ -6,7 +6,9 @@ arrived, which gives partial transcripts at that pace, and decodes once more at 
 longer than a window is cut into consecutive 30 s windows; the text of a full window is kept and
 not re-decoded (a word that straddles the cut may be lost).
 
-One model serves all streams of the process; decodes are serialized by a lock.
+One model serves all streams of the process. Whisper's input is a fixed-size window, so decodes
+asked for at the same time (turns of several callers ending together, on the encoder stage's
+threads) run as one batch: whichever thread gets the model decodes everything waiting.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def load_whisper(
     language: str | None = "en",
     task: str = "transcribe",
     max_new_tokens: int | None = None,
+    max_batch: int = 16,
     dtype: str | None = None,
     num_threads: int | None = None,
     warmup: bool = True,
@@ -59,6 +62,7 @@ def load_whisper(
     ``partial_interval_ms``: audio between partial re-decodes (0: no partials, only the final).
     ``language``/``task``: for multilingual checkpoints (ignored by English-only ones).
     ``max_new_tokens``: cap per decode (default: the checkpoint's ``max_length``).
+    ``max_batch``: most windows decoded in one batch (decodes asked for together are batched).
     ``dtype``: float32 on the CPU, float16 on CUDA unless given. ``num_threads``: torch intra-op
     threads of this process (process-wide). ``warmup``: run one decode now so the first turn is not
     slow.
@@ -74,6 +78,7 @@ def load_whisper(
             "language",
             "task",
             "max_new_tokens",
+            "max_batch",
             "dtype",
             "num_threads",
             "warmup",
@@ -90,6 +95,8 @@ def load_whisper(
         )
     if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
         raise SpeechOptionError(f"whisper option max_new_tokens={max_new_tokens!r} must be >= 1")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise SpeechOptionError(f"whisper option max_batch={max_batch!r} must be an int >= 1")
     if task not in ("transcribe", "translate"):
         raise SpeechOptionError(f"whisper option task={task!r} must be 'transcribe' or 'translate'")
     torch_device = load_device(device, "whisper")
@@ -114,6 +121,7 @@ def load_whisper(
         language=language,
         task=task,
         max_new_tokens=max_new_tokens,
+        max_batch=max_batch,
         random_weights=random_weights,
     )
     if warmup:
@@ -153,6 +161,7 @@ class WhisperRecognizer:
         language: str | None = "en",
         task: str = "transcribe",
         max_new_tokens: int | None = None,
+        max_batch: int = 16,
         random_weights: bool = False,
     ) -> None:
         self._model = model
@@ -161,7 +170,10 @@ class WhisperRecognizer:
         self.random_weights = random_weights
         #: Audio one decode sees: the feature extractor pads or cuts everything to this (30 s).
         self.window_samples: int = int(processor.feature_extractor.n_samples)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held while the model decodes a batch
+        self._waiting_lock = threading.Lock()
+        self._waiting: list[_Decode] = []
+        self.max_batch = max_batch
         self._generation_config = copy.deepcopy(model.generation_config)
         self._generate_kwargs: dict[str, Any] = {}
         if max_new_tokens is not None:
@@ -178,20 +190,45 @@ class WhisperRecognizer:
         return WhisperStream(self)
 
     def transcribe(self, pcm16: np.ndarray) -> str:
-        """Transcribe up to one window of 16 kHz int16 audio."""
-        import torch
-
+        """Transcribe up to one window of 16 kHz int16 audio (thread-safe; batched with the
+        decodes other threads ask for meanwhile)."""
         features = self._processor.feature_extractor(
             pcm16_to_float(pcm16), sampling_rate=ASR_SAMPLE_RATE, return_tensors="pt"
         ).input_features
-        features = features.to(self._model.device, self._model.dtype)
-        with self._lock, torch.inference_mode():
-            token_ids = self._model.generate(
-                features, generation_config=self._generation_config, **self._generate_kwargs
-            )
-        return self._processor.tokenizer.batch_decode(token_ids, skip_special_tokens=True)[
-            0
-        ].strip()
+        request = _Decode(features)
+        with self._waiting_lock:
+            self._waiting.append(request)
+        while not request.done:
+            with self._lock:  # the model, one batch at a time
+                if request.done:  # another thread decoded it while we waited
+                    break
+                with self._waiting_lock:
+                    batch = self._waiting[: self.max_batch]
+                    del self._waiting[: self.max_batch]
+                self._decode(batch)
+        if request.error is not None:
+            raise request.error
+        return request.text
+
+    def _decode(self, batch: list[_Decode]) -> None:
+        import torch
+
+        try:
+            features = torch.cat([r.features for r in batch])
+            features = features.to(self._model.device, self._model.dtype)
+            with torch.inference_mode():
+                token_ids = self._model.generate(
+                    features, generation_config=self._generation_config, **self._generate_kwargs
+                )
+            texts = self._processor.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+            for request, text in zip(batch, texts, strict=True):
+                request.text = text.strip()
+        except Exception as exc:
+            for request in batch:
+                request.error = exc
+        finally:
+            for request in batch:
+                request.done = True
 
     def _language_code(self, language: str) -> str:
         from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
@@ -205,6 +242,18 @@ class WhisperRecognizer:
                 f"({len(known)} known: {sample}{', ...' if len(known) > 12 else ''})"
             )
         return code
+
+
+class _Decode:
+    """One window waiting to be decoded, and its outcome."""
+
+    __slots__ = ("done", "error", "features", "text")
+
+    def __init__(self, features: Any) -> None:
+        self.features = features
+        self.text = ""
+        self.error: Exception | None = None
+        self.done = False
 
 
 class WhisperStream:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -141,3 +142,43 @@ def test_folder_without_a_model_is_named(tmp_path):
 def test_bad_options_are_named(tiny_whisper, options, named):
     with pytest.raises(SpeechOptionError, match=named):
         load_whisper(str(tiny_whisper), **options)
+
+
+def test_decodes_asked_for_together_run_as_one_batch(recognizer, make_speech, monkeypatch):
+    """Turns of several callers that end together are decoded in one generate call, each
+    getting its own transcript (the same as decoding it alone)."""
+    words = ["hello there", "good morning", "what time is it", "thank you very much"]
+    clips = [make_speech(w).pcm16 for w in words]
+    alone = [recognizer.transcribe(c) for c in clips]
+
+    batches: list[int] = []
+    generate = recognizer._model.generate
+    gate = threading.Event()
+
+    def counting(features, **kwargs):
+        batches.append(len(features))
+        gate.wait(10)  # hold the first decode so that the others queue behind it
+        return generate(features, **kwargs)
+
+    monkeypatch.setattr(recognizer._model, "generate", counting)
+    results: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, recognizer.transcribe(clips[i])))
+        for i in range(len(clips))
+    ]
+    threads[0].start()
+    for _ in range(500):
+        if batches:
+            break
+        threading.Event().wait(0.01)
+    for t in threads[1:]:
+        t.start()
+    for _ in range(500):  # the other three are waiting for the model
+        if len(recognizer._waiting) == 3:
+            break
+        threading.Event().wait(0.01)
+    gate.set()
+    for t in threads:
+        t.join(30)
+    assert batches == [1, 3]
+    assert [results[i] for i in range(len(clips))] == alone
