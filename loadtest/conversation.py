@@ -198,9 +198,11 @@ def run_conversations(
     reply_timeout_s: float = 30.0,
     seed: int = 0,
     audio_prefetch: int = 1,
+    opus: str = "opuslib",
 ) -> list[dict[str, Any]]:
-    """Entry point for a spawned process: `n` callers, each `turns` turns."""
-    aiortc_tuning.apply(audio_prefetch)
+    """Entry point for a spawned process: `n` callers, each `turns` turns; `opus` is the
+    callers' codec, as the gateway's `gateway.opus` (aiortc where there is no opuslib)."""
+    aiortc_tuning.apply(audio_prefetch, opus=opus)
     restrict_host_addresses(["127.0.0.1"])
     return asyncio.run(
         _callers(base_url, n, speech48k, turns, listen_s, spread_s, reply_timeout_s, seed)

@@ -289,10 +289,12 @@ def load_figures(
 # -- running a layout --------------------------------------------------------------------
 
 
-def _callers_process(base: str, n: int, speech: Any, turns: int, seed: int, conn) -> None:
+def _callers_process(
+    base: str, n: int, speech: Any, turns: int, seed: int, opus: str, conn
+) -> None:
     from loadtest.conversation import run_conversations
 
-    conn.send(run_conversations(base, n, speech, turns, seed=seed))
+    conn.send(run_conversations(base, n, speech, turns, seed=seed, opus=opus))
 
 
 async def run_callers(
@@ -300,15 +302,17 @@ async def run_callers(
     n: int,
     speech: np.ndarray | list[np.ndarray],
     turns: int,
+    opus: str,
     per_process: int = CALLERS_PER_PROCESS,
 ) -> list[dict[str, Any]]:
-    """`n` conversations from processes of `per_process` callers each."""
+    """`n` conversations from processes of `per_process` callers each, coding Opus with `opus`
+    (the gateway's codec setting: the GPU machine has no opuslib)."""
     ctx = mp.get_context("spawn")
     procs = []
     for i in range(math.ceil(n / per_process)):
         k = min(per_process, n - i * per_process)
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_callers_process, args=(base, k, speech, turns, i, child))
+        proc = ctx.Process(target=_callers_process, args=(base, k, speech, turns, i, opus, child))
         proc.start()
         child.close()
         procs.append((proc, parent))
@@ -442,7 +446,8 @@ async def _measure_loads(
     silence_ms = config.gateway.turn_detection.silence_duration_ms
     out: dict[str, Any] = {"loads": {}, "inter_token": {}}
     log("warm-up: one caller, two turns (not counted)")
-    await run_callers(base, 1, speech, 2)
+    opus = config.gateway.opus
+    await run_callers(base, 1, speech, 2, opus)
     await calls_gone(gateway)
     for n in args.loads:
         turns = args.turns_single if n == 1 else args.turns
@@ -450,7 +455,7 @@ async def _measure_loads(
         mark = len(tap.seen)
         t0 = time.monotonic()
         try:
-            reports = await run_callers(base, n, speech, turns)
+            reports = await run_callers(base, n, speech, turns, opus)
             figures = load_figures(reports, tap.since(mark), silence_ms)
         except Exception as exc:  # the other loads still run; the failure is reported
             log(f"{n} callers failed: {type(exc).__name__}: {exc}")

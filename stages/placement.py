@@ -17,11 +17,16 @@ from dataclasses import dataclass
 from stages.config import PipelineConfig
 
 #: Set in every stage process: a program using NVLink multicast (NVLS) can put a shared host's
-#: GPUs out of service, so it stays off in NCCL, PyTorch's symmetric memory and NVSHMEM.
+#: GPUs out of service, so it stays off in NCCL, PyTorch's symmetric memory and NVSHMEM; and
+#: vLLM's tensor-parallel all-reduce paths that assume it stay off too (FlashInfer's "mnnvl"
+#: backend, auto-selected on one node, hung and then faulted in vLLM 0.26 with multicast off;
+#: "trtllm" uses plain CUDA IPC buffers).
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
 }
 #: vLLM's default gpu_memory_utilization; too much when another stage shares its GPU.
 VLLM_DEFAULT_MEMORY_UTILIZATION = 0.9
