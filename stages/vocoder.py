@@ -178,7 +178,11 @@ class VocoderStage(QueuedStage):
         if reply.speaking is None:
             text = reply.pending.popleft()
             self.send(GATEWAY, session, Phrase(reply.response_id, text, rate), epoch=reply.epoch)
-            reply.speaking = iter(self.voice.synthesize(text))
+            epoch = reply.epoch
+            reply.speaking = iter(
+                # a cancel stops the engine within a step, before the CANCEL record is read
+                self.voice.synthesize(text, stop=lambda: self.control.epoch(session) != epoch)
+            )
         try:
             chunk = next(reply.speaking)
         except StopIteration:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -62,10 +62,13 @@ class Voice(Protocol):
     name: str
     sample_rate: int
 
-    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+    def synthesize(self, text: str, stop: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
         """Yield int16 mono chunks of at most ``MAX_CHUNK_MS`` as they are produced.
 
-        Closing the iterator early stops the synthesis (that is how a CANCEL reaches the engine).
+        Closing the iterator early stops the synthesis. ``stop`` is asked as often as the
+        engine can stop (every decoder step of a neural voice); once it returns True the
+        iterator ends at once, without waiting for a consumer to close it: that is how a
+        CANCEL reaches the engine within a step.
         """
         ...
 

@@ -17,7 +17,7 @@ import ctypes
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -107,11 +107,12 @@ class EspeakVoice:
         self._params = ((_PARAM_RATE, rate_wpm), (_PARAM_PITCH, pitch), (_PARAM_VOLUME, volume))
         self._chunk_ms = chunk_ms
 
-    def synthesize(self, text: str) -> Iterator[np.ndarray]:
-        """Yield int16 chunks of speech while espeak produces them; closing early aborts it."""
+    def synthesize(self, text: str, stop: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
+        """Yield int16 chunks of speech while espeak produces them; closing early, or ``stop``
+        returning True (asked at every buffer), aborts it."""
         if not text.strip():
             return
-        job = _SynthJob()
+        job = _SynthJob(stop)
         worker = threading.Thread(
             target=self._library.synthesize,
             args=(job, text, self.voice, self._params),
@@ -122,7 +123,7 @@ class EspeakVoice:
         try:
             while True:
                 item = job.output.get()
-                if item is None:
+                if item is None or job.should_abort():
                     break
                 if isinstance(item, BaseException):
                     raise item
@@ -133,11 +134,16 @@ class EspeakVoice:
 
 
 class _SynthJob:
-    """One synthesis: the buffers go to ``output`` (then None); ``cancelled`` aborts it."""
+    """One synthesis: the buffers go to ``output`` (then None); ``cancelled`` or ``stop``
+    aborts it."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop: Callable[[], bool] | None = None) -> None:
         self.output: queue.SimpleQueue[np.ndarray | BaseException | None] = queue.SimpleQueue()
         self.cancelled = False
+        self.stop = stop
+
+    def should_abort(self) -> bool:
+        return self.cancelled or (self.stop is not None and self.stop())
 
 
 class _EspeakLibrary:
@@ -229,7 +235,7 @@ class _EspeakLibrary:
         job = self._job
         if job is None:
             return 0
-        if job.cancelled:
+        if job.should_abort():
             return 1
         if count > 0 and wav:
             job.output.put(np.ctypeslib.as_array(wav, shape=(count,)).copy())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +178,10 @@ def load_speaker_embedding(path: str | None, dim: int) -> np.ndarray:
     return vector.reshape(-1).astype(np.float32)
 
 
+def _never() -> bool:
+    return False
+
+
 def _check_number(option: str, value: Any, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise SpeechOptionError(
@@ -238,17 +242,20 @@ class SpeechT5Voice:
         self.max_tokens = int(min(config.max_text_positions, speech_limit)) - 2
         self._lock = threading.Lock()
 
-    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+    def synthesize(self, text: str, stop: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
         """Yield int16 chunks of ``text`` spoken as they are made; closing stops the model at
-        the next block (streaming) or between pieces."""
+        the next block (streaming) or between pieces, ``stop`` at the next decoder step."""
+        stop = stop or _never
         for piece in _pieces(text, self.max_tokens):
+            if stop():
+                return
             if self.stream_steps:
-                for block in self._stream(piece):
+                for block in self._stream(piece, stop):
                     yield from split_pcm16(block, self.sample_rate, self._chunk_ms)
             else:
                 yield from split_pcm16(self._speak(piece), self.sample_rate, self._chunk_ms)
 
-    def _stream(self, text: str) -> Iterator[np.ndarray]:
+    def _stream(self, text: str, cancelled: Callable[[], bool]) -> Iterator[np.ndarray]:
         """transformers' `_generate_speech` loop for one utterance, vocoding as it goes.
 
         Every `stream_steps` decoder steps the post-net runs over the spectrogram so far (it is
@@ -276,6 +283,8 @@ class SpeechT5Voice:
         past = None
         vocoded = 0  # post-net frames already turned into audio
         for step in range(1, maxlen + 1):
+            if cancelled():
+                return
             with self._lock, torch.inference_mode():
                 prenet = model.speecht5.decoder.prenet(sequence, self._speaker)
                 out = model.speecht5.decoder.wrapped_decoder(

@@ -124,3 +124,13 @@ def test_speech_is_recognizable_by_pocketsphinx():
 def test_bad_options_are_named(options, named):
     with pytest.raises(SpeechOptionError, match=named):
         load_espeak(**options)
+
+
+def test_stop_aborts_synthesis_at_the_next_buffer(voice):
+    full = sum(len(c) for c in voice.synthesize(LONG_TEXT))
+    stopped = threading.Event()
+    got = 0
+    for chunk in voice.synthesize(LONG_TEXT, stop=stopped.is_set):
+        got += len(chunk)
+        stopped.set()  # asked before the next buffer goes out
+    assert 0 < got < full / 10

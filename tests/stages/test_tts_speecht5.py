@@ -163,3 +163,18 @@ def test_missing_paths_are_named(tiny_speecht5, tmp_path):
 def test_bad_options_are_named(tiny_speecht5, options, named):
     with pytest.raises(SpeechOptionError, match=named):
         load_speecht5(str(tiny_speecht5.model), str(tiny_speecht5.vocoder), **options)
+
+
+def test_stop_ends_the_phrase_at_the_next_decoder_step(voice, monkeypatch):
+    """What a CANCEL does through the vocoder's `stop`: no decoder step after it returns True,
+    without waiting for the block in progress or for the consumer to close the stream."""
+    monkeypatch.setattr(voice, "stream_steps", 4)
+    counter = StepCounter(voice, monkeypatch)
+    stopped = False
+    speech = voice.synthesize("one two three four five six seven eight", stop=lambda: stopped)
+    next(speech)
+    steps_before = counter.steps
+    stopped = True
+    rest = list(speech)  # what was already vocoded of the block in hand, then the end
+    assert counter.steps == steps_before
+    assert sum(len(c) for c in rest) <= 4 * voice._model.config.reduction_factor * 256
