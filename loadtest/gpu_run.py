@@ -341,7 +341,7 @@ async def calls_gone(gateway: Any, timeout: float = 30) -> None:
 
 
 async def measure_itl(
-    gateway: Any, tap: Tap, vocoder_pid: int, streams: int, rounds: int
+    gateway: Any, tap: Tap, vocoder_pids: list[int], streams: int, rounds: int
 ) -> dict[str, Any]:
     """Inter-token latency with `streams` replies decoding at once, vocoder stopped vs busy."""
     link = gateway.link
@@ -352,7 +352,8 @@ async def measure_itl(
         ttft: list[float] = []
         mark = len(tap.seen)
         if mode == "vocoder_idle":
-            os.kill(vocoder_pid, signal.SIGSTOP)
+            for pid in vocoder_pids:
+                os.kill(pid, signal.SIGSTOP)
         try:
             for r in range(rounds):
                 waits, sent = [], {}
@@ -381,7 +382,8 @@ async def measure_itl(
             for s in sessions:
                 link.close_session(s)
             if mode == "vocoder_idle":
-                os.kill(vocoder_pid, signal.SIGCONT)
+                for pid in vocoder_pids:
+                    os.kill(pid, signal.SIGCONT)
         out[mode] = {
             "inter_token_ms": summary(inter_token_ms(tap.since(mark), ids), 50, 99),
             "ttft_ms": summary(ttft, 50, 99),
@@ -465,11 +467,13 @@ async def _measure_loads(
         out["loads"][str(n)] = figures
         log(f"{n} callers: {json.dumps(figures)}")
         await calls_gone(gateway)
-    vocoder_pid = supervisor.stages["vocoder"].process.pid
+    vocoder_pids = [  # every replica
+        supervisor.stages[i].process.pid for i in supervisor.names.instances("vocoder")
+    ]
     for n in args.itl_streams:
         log(f"inter-token latency, {n} replies at once")
         try:
-            out["inter_token"][str(n)] = await measure_itl(gateway, tap, vocoder_pid, n, 2)
+            out["inter_token"][str(n)] = await measure_itl(gateway, tap, vocoder_pids, n, 2)
         except Exception as exc:
             log(f"inter-token run failed: {type(exc).__name__}: {exc}")
             out["inter_token"][str(n)] = {"error": f"{type(exc).__name__}: {exc}"}

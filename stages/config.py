@@ -144,6 +144,12 @@ class VocoderConfig(TorchStageConfig):
         description="start speaking after this many words when no phrase boundary came yet",
     )
     max_phrase_words: int = Field(20, ge=2, le=200)
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="vocoder processes; each session is served by one (session % replicas)",
+    )
     max_lead_ms: int = Field(
         2000, ge=100, le=600_000, description="how far synthesis may run ahead of playback"
     )

@@ -63,6 +63,7 @@ class PipelineLink:
     """Attaches to the gateway's ends of the rings; `on_event` runs on reader threads."""
 
     def __init__(self, names: RingNames, on_event: Callable[[StageEvent], None]) -> None:
+        self.names = names
         self.control, self._inputs, self._outputs = attach_ends(names, GATEWAY)
         self.on_event = on_event
         self._stop = threading.Event()
@@ -98,8 +99,10 @@ class PipelineLink:
                 logger.exception("handling a %s record from %s failed", rec.kind, stage)
 
     def _send(self, stage: str, session: int, msg: Msg) -> None:
-        if not self._outputs[stage].send(session, msg, timeout=1.0):
-            raise RuntimeError(f"ring to {stage} is full: is the {stage} stage stuck?")
+        """Send to the instance of role `stage` that serves `session`."""
+        instance = self.names.instance_for(stage, session)
+        if not self._outputs[instance].send(session, msg, timeout=1.0):
+            raise RuntimeError(f"ring to {instance} is full: is the {instance} stage stuck?")
 
     # -- sessions --------------------------------------------------------------------------
 

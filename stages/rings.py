@@ -7,11 +7,17 @@ gateway ─▶ encoder ─▶ reasoning ─▶ vocoder ─▶ gateway
 encoder ─▶ gateway (transcripts)   reasoning ─▶ gateway (text deltas)
 ```
 The supervisor creates (and owns) every segment; each process attaches to its own ends.
+
+A stage role may run as several replica processes (`vocoder.replicas`): instances `vocoder`,
+`vocoder.1`, ... each with its own rings (SPSC stays SPSC), and each session served by one of
+them, `session % replicas`. Senders name the role; `RingNames.instance_for` picks the ring.
+Acknowledgements and errors carry the role, so the gateway sees one vocoder whatever the count.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shm import FLAG_NO_PURGE, Control, Ring, segment_name
@@ -46,15 +52,26 @@ UNPURGEABLE = frozenset(
 )
 
 
+def role_of(instance: str) -> str:
+    """'vocoder.2' -> 'vocoder'."""
+    return instance.partition(".")[0]
+
+
 @dataclass(frozen=True)
 class RingNames:
-    """Segment names of one pipeline; picklable, handed to every stage process."""
+    """Segment names and process instances of one pipeline; picklable, handed to every stage
+    process. `replicas`: roles that run as several processes, with their counts."""
 
     prefix: str
+    replicas: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def fresh(cls) -> RingNames:
-        return cls(segment_name("pipe")[1:])
+    def fresh(cls, replicas: Mapping[str, int] | None = None) -> RingNames:
+        counts = tuple(sorted((r, n) for r, n in (replicas or {}).items() if n != 1))
+        for role, n in counts:
+            if role not in STAGES or n < 1:
+                raise ValueError(f"cannot run {n} replicas of {role!r}")
+        return cls(segment_name("pipe")[1:], counts)
 
     @property
     def control(self) -> str:
@@ -62,6 +79,29 @@ class RingNames:
 
     def ring(self, src: str, dst: str) -> str:
         return f"/{self.prefix}-{src}-{dst}"
+
+    def count(self, role: str) -> int:
+        return dict(self.replicas).get(role, 1)
+
+    def instances(self, role: str) -> tuple[str, ...]:
+        return (role, *(f"{role}.{k}" for k in range(1, self.count(role))))
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """Every stage process of the pipeline, replicas included."""
+        return tuple(i for role in STAGES for i in self.instances(role))
+
+    @property
+    def links(self) -> tuple[tuple[str, str], ...]:
+        """Every ring: LINKS between roles, for every pair of their instances."""
+        return tuple(
+            (a, b) for src, dst in LINKS for a in self.instances(src) for b in self.instances(dst)
+        )
+
+    def instance_for(self, role: str, session: int) -> str:
+        """The instance of `role` that serves `session` (the role itself when it has one)."""
+        k = session % self.count(role)
+        return role if k == 0 else f"{role}.{k}"
 
 
 class RingSet:
@@ -72,8 +112,9 @@ class RingSet:
         self.control = Control.create(names.control, config.max_sessions)
         self.rings: dict[tuple[str, str], Ring] = {}
         try:
-            for link in LINKS:
-                size = config.rings.audio_bytes if link in AUDIO_LINKS else config.rings.event_bytes
+            for link in names.links:
+                audio = (role_of(link[0]), role_of(link[1])) in AUDIO_LINKS
+                size = config.rings.audio_bytes if audio else config.rings.event_bytes
                 self.rings[link] = Ring.create(names.ring(*link), size, control=self.control)
         except BaseException:
             self.close()
@@ -119,12 +160,13 @@ class Outbox:
 
 
 def attach_ends(names: RingNames, me: str) -> tuple[Control, dict[str, Ring], dict[str, Outbox]]:
-    """Attach process `me` to its rings: (control, inputs by source, outboxes by destination)."""
+    """Attach process `me` (an instance) to its rings: (control, inputs by source instance,
+    outboxes by destination instance)."""
     control = Control.attach(names.control)
     inputs: dict[str, Ring] = {}
     outputs: dict[str, Outbox] = {}
     try:
-        for src, dst in LINKS:
+        for src, dst in names.links:
             if dst == me:
                 inputs[src] = Ring.attach(names.ring(src, dst), control, role="consumer")
             elif src == me:

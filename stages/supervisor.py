@@ -22,7 +22,7 @@ from shm import reap_stale
 from stages.config import PipelineConfig
 from stages.messages import Error
 from stages.placement import StagePlacement, plan
-from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet
+from stages.rings import GATEWAY, Outbox, RingNames, RingSet, role_of
 from stages.worker import StageSpec, stage_main
 
 logger = logging.getLogger(__name__)
@@ -68,9 +68,10 @@ class Supervisor:
     ) -> None:
         self.config = config
         self.log_level = log_level
-        self.names = RingNames.fresh()
+        self.names = RingNames.fresh({"vocoder": config.vocoder.replicas})
         self.rings: RingSet | None = None
-        self.stages = {name: StageProcess(name) for name in STAGES}
+        # by instance: 'encoder', 'reasoning', 'vocoder' and the vocoder's replicas
+        self.stages = {name: StageProcess(name) for name in self.names.stages}
         self.placements: dict[str, StagePlacement] = {}
         self.on_restart = on_restart
         self._stopping = threading.Event()
@@ -106,7 +107,7 @@ class Supervisor:
             self.names,
             self.config.model_dump(include=set(PipelineConfig.model_fields)),
             self.log_level,
-            self.placements[stage.name].env,
+            self.placements[role_of(stage.name)].env,
         )
         stage.process = _ctx.Process(
             target=stage_main, args=(spec, child), name=f"omni-{stage.name}", daemon=False
@@ -212,16 +213,18 @@ class Supervisor:
             return
 
     def _fail_open_sessions(self, stage: str, message: str) -> None:
-        """Cancel every open session and tell the gateway, through the dead stage's own ring
-        (its producer is dead, so the supervisor may push there until the restart)."""
+        """Cancel every open session the dead stage instance served and tell the gateway,
+        through that instance's own ring (its producer is dead, so the supervisor may push
+        there until the restart)."""
         assert self.rings is not None
         control = self.rings.control
-        to_gateway = self.rings.rings[(stage, GATEWAY)]
+        role = role_of(stage)
+        to_gateway = Outbox(self.rings.rings[(stage, GATEWAY)], stage, GATEWAY)
         for session in control.open_sessions():
+            if self.names.instance_for(role, session) != stage:
+                continue  # served by another replica, which is alive
             control.cancel(session)
-            Outbox(to_gateway, stage, GATEWAY).send(
-                session, Error(stage, "stage_restarted", message), timeout=1.0
-            )
+            to_gateway.send(session, Error(role, "stage_restarted", message), timeout=1.0)
 
     # -- stop ------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from shm import PeerDiedError, Record
 from stages import placement
 from stages.config import PipelineConfig
 from stages.messages import BadRecord, CancelAck, Error, Kind, Msg, decode
-from stages.rings import GATEWAY, UNPURGEABLE, RingNames, attach_ends
+from stages.rings import GATEWAY, UNPURGEABLE, RingNames, attach_ends, role_of
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ POP_TIMEOUT_S = 0.25  # how often an idle reader looks at the stop flag
 class StageSpec:
     """What a stage process is started with (picklable for spawn)."""
 
-    stage: str
+    stage: str  # the instance: 'vocoder', or 'vocoder.1' for a replica
     names: RingNames
     config: dict[str, Any]
     log_level: int = logging.INFO
@@ -66,7 +66,7 @@ class Stage:
         self.spec = spec
         self.config = PipelineConfig.model_validate(spec.config)
         self.stop = stop
-        self.control, self.inputs, self.outputs = attach_ends(spec.names, self.name)
+        self.control, self.inputs, self.outputs = attach_ends(spec.names, spec.stage)
         self._readers: list[threading.Thread] = []
 
     # -- lifecycle, overridden by stages --------------------------------------------------
@@ -130,6 +130,8 @@ class Stage:
         return (item.epoch - self.control.epoch(item.session)) % (1 << 32) >= 1 << 31
 
     def send(self, dst: str, session: int, msg: Msg, *, epoch: int | None = None) -> None:
+        """Send to the instance of role `dst` that serves `session`."""
+        dst = self.spec.names.instance_for(dst, session)
         if not self.outputs[dst].send(session, msg, epoch=epoch):
             logger.error(
                 "%s: ring to %s stayed full; dropped %s for session %d",
@@ -188,8 +190,9 @@ class QueuedStage(Stage):
         raise NotImplementedError
 
 
-def _stage_class(name: str) -> type[Stage]:
+def _stage_class(instance: str) -> type[Stage]:
     # imported here: each process loads only the models of its own stage
+    name = role_of(instance)
     if name == "encoder":
         from stages.encoder import EncoderStage
 
@@ -225,7 +228,7 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
     stage: Stage | None = None
     try:
         stage = _stage_class(spec.stage)(spec, stop)
-        stage_config = getattr(stage.config, spec.stage)
+        stage_config = getattr(stage.config, role_of(spec.stage))
         placement.apply_memory_share(
             getattr(stage_config, "device", "cpu"),
             getattr(stage_config, "gpu_memory_fraction", None),

@@ -1,0 +1,149 @@
+"""A stage role run as several processes: the vocoder with two replicas, real processes and
+rings, each session served by one replica and isolated from the other's failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import shm
+from gateway.config import load_config
+from stages.link import EventQueues, PipelineLink, StageEvent
+from stages.messages import Kind
+from stages.rings import RingNames, role_of
+from stages.supervisor import Supervisor
+
+OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+
+
+def test_ring_names_expand_the_replicas() -> None:
+    names = RingNames.fresh({"vocoder": 3})
+    assert names.stages == ("encoder", "reasoning", "vocoder", "vocoder.1", "vocoder.2")
+    assert [names.instance_for("vocoder", s) for s in range(5)] == [
+        "vocoder",
+        "vocoder.1",
+        "vocoder.2",
+        "vocoder",
+        "vocoder.1",
+    ]
+    assert names.instance_for("reasoning", 7) == "reasoning"
+    links = set(names.links)
+    for replica in names.instances("vocoder"):
+        assert {("reasoning", replica), ("gateway", replica), (replica, "gateway")} <= links
+    assert not any(role_of(a) == role_of(b) for a, b in links)  # replicas never talk
+    assert len(links) == 8 + 2 * 3  # the 8 links of one of each, plus 3 per extra vocoder
+    assert RingNames.fresh({"vocoder": 1}).replicas == ()  # one is no replica at all
+    with pytest.raises(ValueError, match="replicas of 'gateway'"):
+        RingNames.fresh({"gateway": 2})
+
+
+@pytest.fixture(scope="module")
+def restarted() -> threading.Event:
+    return threading.Event()
+
+
+@pytest.fixture(scope="module")
+def supervisor(restarted: threading.Event) -> Iterator[Supervisor]:
+    config = load_config(
+        OFFLINE,
+        {
+            "vocoder.replicas": 2,
+            "reasoning.sampling": {"max_tokens": 96, "ignore_eos": True},
+            "vocoder.max_lead_ms": 600_000,
+        },
+    )
+    sup = Supervisor(config, on_restart=lambda stage, n: restarted.set())
+    sup.start()
+    names = [sup.names.control, *(sup.names.ring(*link) for link in sup.rings.rings)]
+    yield sup
+    sup.stop()
+    assert not set(names) & set(shm.list_segments()), "supervisor left segments behind"
+
+
+@pytest.fixture(scope="module")
+def events() -> EventQueues:
+    return EventQueues()
+
+
+@pytest.fixture(scope="module")
+def link(supervisor: Supervisor, events: EventQueues) -> Iterator[PipelineLink]:
+    lnk = PipelineLink(supervisor.names, events)
+    yield lnk
+    lnk.close()
+
+
+def first(events: EventQueues, session: int, kind: Kind, timeout: float = 60) -> StageEvent:
+    deadline = time.monotonic() + timeout
+    while True:
+        ev = events.next(session, max(0.01, deadline - time.monotonic()))
+        if ev.kind is kind:
+            return ev
+
+
+def two_sessions_on_different_replicas(link: PipelineLink) -> tuple[int, int]:
+    a, b = link.open_session(), link.open_session()
+    assert {link.names.instance_for("vocoder", s) for s in (a, b)} == {"vocoder", "vocoder.1"}
+    return a, b
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_each_session_is_spoken_by_its_replica_and_cancelled_there(
+    supervisor: Supervisor, link: PipelineLink, events: EventQueues
+) -> None:
+    assert set(supervisor.stages) == {"encoder", "reasoning", "vocoder", "vocoder.1"}
+    a, b = two_sessions_on_different_replicas(link)
+    try:
+        for s in (a, b):
+            link.create_response(s, f"resp-{s}", text="say something")
+        for s in (a, b):
+            audio = first(events, s, Kind.AUDIO_OUT)
+            assert audio.stage == link.names.instance_for("vocoder", s)
+        for s in (a, b):
+            cancel_id, _ = link.cancel(s, f"resp-{s}")
+            acks: set[str] = set()
+            while len(acks) < 3:
+                ev = first(events, s, Kind.CANCEL_ACK)
+                if ev.msg.cancel_id == cancel_id:
+                    acks.add(ev.msg.stage)
+            # the replica acks as "vocoder": the gateway waits for one ack per role
+            assert acks == {"encoder", "reasoning", "vocoder"}
+    finally:
+        link.close_session(a)
+        link.close_session(b)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_dead_replica_fails_only_its_own_sessions(
+    supervisor: Supervisor, link: PipelineLink, events: EventQueues, restarted: threading.Event
+) -> None:
+    a, b = two_sessions_on_different_replicas(link)
+    victim_name = link.names.instance_for("vocoder", b)
+    survivor = a
+    try:
+        for s in (a, b):
+            link.create_response(s, f"long-{s}", text="talk for a while")
+            first(events, s, Kind.AUDIO_OUT)
+        victim = supervisor.stages[victim_name].process.pid
+        os.kill(victim, signal.SIGKILL)
+        error = first(events, b, Kind.ERROR)
+        assert error.msg.code == "stage_restarted" and error.msg.stage == "vocoder"
+        assert restarted.wait(60), f"{victim_name} was not restarted"
+        assert supervisor.stages[victim_name].process.pid != victim
+        # the other replica's session was not touched: its reply runs to the end
+        deadline = time.monotonic() + 60
+        seen = [events.next(survivor, 60)]
+        while seen[-1].kind is not Kind.AUDIO_DONE:
+            seen.append(events.next(survivor, max(0.01, deadline - time.monotonic())))
+        assert seen[-1].msg.response_id == f"long-{survivor}"
+        assert not [e.msg for e in seen if e.kind is Kind.ERROR]
+    finally:
+        link.close_session(a)
+        link.close_session(b)
