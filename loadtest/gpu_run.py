@@ -303,7 +303,7 @@ async def run_callers(
     n: int,
     speech: np.ndarray | list[np.ndarray],
     turns: int,
-    opus: str,
+    opus: str = "opuslib",
     per_process: int = CALLERS_PER_PROCESS,
 ) -> list[dict[str, Any]]:
     """`n` conversations from processes of `per_process` callers each, coding Opus with `opus`

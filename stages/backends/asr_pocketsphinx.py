@@ -31,8 +31,10 @@ from stages.backends.speech import (
 
 logger = logging.getLogger(__name__)
 
-#: Longest slice of audio decoded while holding the GIL.
-FEED_SLICE_MS = 40
+#: Longest slice of audio decoded while holding the GIL: one 10 ms frame. With 40 ms slices the
+#: encoder's CANCEL ack waited behind other sessions' decoding threads (p99 78 ms at 2 callers,
+#: 254 ms at 4 on 2 cores); with 10 ms, 19 and 74 ms (docs/benchmarks.md, load report).
+FEED_SLICE_MS = 10
 #: Options that name files or folders, checked before the decoder is made.
 _PATH_OPTIONS = ("hmm", "lm", "dict", "fdict", "jsgf", "fsg", "kws", "lmctl", "allphone", "mllr")
 #: Defaults that differ from PocketSphinx's own. ``loglevel``: it logs every model file it reads.
