@@ -31,6 +31,7 @@ from stages.rings import GATEWAY, UNPURGEABLE, RingNames, attach_ends, role_of
 logger = logging.getLogger(__name__)
 
 POP_TIMEOUT_S = 0.25  # how often an idle reader looks at the stop flag
+PARENT_CHECK_S = 0.5  # how often a stage checks that its supervisor is alive
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,22 @@ def _stage_class(instance: str) -> type[Stage]:
     raise ValueError(f"unknown stage {name!r}")
 
 
+def _stop_without_supervisor(supervisor_pid: int, stop: threading.Event) -> None:
+    """A supervisor killed outright (SIGKILL, OOM) cannot stop its stages: they notice it is
+    gone (they are re-parented) and stop themselves, models and GPU memory included; its
+    segments are reaped by the next supervisor to start."""
+    while not stop.wait(PARENT_CHECK_S):
+        if os.getppid() != supervisor_pid:
+            logger.error("the supervisor (pid %d) is gone; stopping", supervisor_pid)
+            stop.set()
+            if not _running.is_set():  # still loading: nothing to close cleanly
+                os._exit(1)
+
+
+#: Set once the model loop runs (before that, a stage without a supervisor exits at once).
+_running = threading.Event()
+
+
 def stage_main(spec: StageSpec, conn: Connection) -> None:
     """Entry point of a stage process: load, report ready, run until SIGTERM."""
     # before anything can initialise CUDA: this process and its children see only its GPUs
@@ -225,6 +242,12 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
     # Ctrl-C reaches the whole process group; the supervisor decides, and stops us by SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threading.Thread(
+        target=_stop_without_supervisor,
+        args=(os.getppid(), stop),
+        name="supervisor-watch",
+        daemon=True,
+    ).start()
     stage: Stage | None = None
     try:
         stage = _stage_class(spec.stage)(spec, stop)
@@ -236,6 +259,7 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
         info = stage.load()
         stage.start_readers()
         conn.send(("ready", {"pid": os.getpid(), **info, **placement.visible_report()}))
+        _running.set()
         stage.run()
     except BaseException as exc:
         logger.error("%s failed: %s", spec.stage, "".join(traceback.format_exception(exc)))
