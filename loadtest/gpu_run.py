@@ -166,15 +166,19 @@ def stage_milestones(seen: list[Seen]) -> dict[str, Any]:
     for s in seen:
         c = calls[s.call_id or f"session-{s.session}"]
         if s.kind is Kind.TRANSCRIPT and s.msg.final:
-            c["finals"].append((s.msg.speech_stopped_ns, s.t_ns, s.msg.turn_id))
+            c["finals"].append((s.msg.speech_stopped_ns, s.t_ns, s.msg.turn_id, s.msg.decode_ns))
         elif s.kind is Kind.RESPONSE_STARTED and s.stage == "reasoning":
             c["responses"].setdefault(s.msg.response_id, {"deltas": []})["started"] = s.t_ns
             c["by_turn"][s.msg.turn_id] = s.msg.response_id
         elif s.kind is Kind.TEXT_DELTA and s.stage == "reasoning":
-            c["responses"].setdefault(s.msg.response_id, {"deltas": []})["deltas"].append(s.t_ns)
+            r = c["responses"].setdefault(s.msg.response_id, {"deltas": []})
+            r["deltas"].append(s.t_ns)
+            if s.msg.index == 0:
+                r["since_submit"] = s.msg.since_submit_ns
         elif s.kind is Kind.PHRASE:
             r = c["responses"].setdefault(s.msg.response_id, {"deltas": []})
-            r.setdefault("first_phrase", s.t_ns)
+            if "first_phrase" not in r:
+                r["first_phrase"], r["phrase_ready"] = s.t_ns, s.msg.ready_ns
             phrase_of[(s.call_id, s.session)] = s.msg.response_id
         elif s.kind is Kind.AUDIO_OUT:
             rid = phrase_of.get((s.call_id, s.session))
@@ -186,7 +190,9 @@ def stage_milestones(seen: list[Seen]) -> dict[str, Any]:
 
 
 def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str, float]]:
-    """Each caller turn's milestones (ns) joined with the stages': a dict of hop -> ms."""
+    """Each caller turn's milestones (ns) joined with the stages': a dict of hop -> ms, plus
+    "model": the model time on the turn's path, as the stages timed it (the final decode, the
+    engine's first token, the tokens the first phrase waited for, its first audio chunk)."""
     calls = stage_milestones(seen)
     turns = []
     for report in reports:
@@ -205,6 +211,7 @@ def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str,
                     default=None,
                     key=lambda f: f[0],
                 )
+            model_ns = None
             if final is not None:
                 t["speech_stopped"], t["transcript"] = final[0], final[1]
                 r = c["responses"].get(c["by_turn"].get(final[2], ""), {})
@@ -213,10 +220,24 @@ def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str,
                 for key in ("first_phrase", "first_audio_chunk"):
                     if key in r:
                         t[key] = r[key]
+                if r.get("deltas") and r.get("phrase_ready") and "first_audio_chunk" in r:
+                    # model time on the turn's critical path, per hop
+                    model_ns = {
+                        "encoder": final[3],  # the final decode
+                        "first_token": r.get("since_submit", 0),  # the engine's first token
+                        "first_phrase": r["phrase_ready"] - r["deltas"][0],  # its words
+                        "first_audio_chunk": r["first_audio_chunk"] - r["first_phrase"],
+                    }
             hops = {"turn": (t["first_audio_heard"] - t["end_of_speech"]) / 1e6}
             for name, a, b in HOPS:
                 if a in t and b in t:
                     hops[name] = (t[b] - t[a]) / 1e6
+            if model_ns is not None and all(name in hops for name in model_ns):
+                hops["model"] = sum(model_ns.values()) / 1e6
+                # what is left of each hop once its model time is out: rings, queues, the
+                # gateway (the VAD hop's share is what exceeds the silence window)
+                for name, _, _ in HOPS:
+                    hops[f"overhead_{name}"] = hops[name] - model_ns.get(name, 0) / 1e6
             turns.append(hops)
     return turns
 
@@ -278,6 +299,21 @@ def load_figures(
         "errors": [r["error"] for r in reports if r["error"]],
         "turn_ms": summary(total, *qs),
         "turn_beyond_vad_window_ms": summary([x - silence_ms for x in total], *qs),
+        # gateway + rings + scheduling: the turn less the VAD window and the model time
+        "pipeline_overhead_ms": summary(
+            [t["turn"] - silence_ms - t["model"] for t in turns if "model" in t], *qs
+        ),
+        "overhead_by_hop_ms": {
+            name: summary(
+                [
+                    t[f"overhead_{name}"] - (silence_ms if name == "vad_decision" else 0)
+                    for t in turns
+                    if "model" in t
+                ],
+                *qs,
+            )
+            for name, _, _ in HOPS
+        },
         "hops_ms": {
             name: summary([t[name] for t in turns if name in t], *qs) for name, _, _ in HOPS
         },
@@ -583,8 +619,8 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         "| layout | callers | turn p50 / p95 ms | beyond VAD p95 | "
         + " | ".join(f"{h} p50" for h, _, _ in HOPS)
-        + " | barge-in p50 / p95 | cancel p50 / p99 | ITL p50 / p99 |",
-        "|---|---:|---:|---:|" + "---:|" * len(HOPS) + "---:|---:|---:|",
+        + " | overhead p50 / p95 | barge-in p50 / p95 | cancel p50 / p99 | ITL p50 / p99 |",
+        "|---|---:|---:|---:|" + "---:|" * len(HOPS) + "---:|---:|---:|---:|",
     ]
     for name, layout in results["layouts"].items():
         for n, load in layout.get("loads", {}).items():
@@ -594,10 +630,12 @@ def table(results: dict[str, Any]) -> str:
             t, b = load["turn_ms"], load["barge_in_at_client_ms"]
             c = load["cancel_ms"].get("last_ack", {})
             i = load["inter_token_ms_during_calls"]
+            o = load.get("pipeline_overhead_ms", {})
             lines.append(
                 f"| {name} | {n} | {f(t['p50'])} / {f(t['p95'])} "
                 f"| {f(load['turn_beyond_vad_window_ms']['p95'])} | "
                 + " | ".join(f(load["hops_ms"][h]["p50"]) for h, _, _ in HOPS)
+                + f" | {f(o.get('p50'))} / {f(o.get('p95'))}"
                 + f" | {f(b['p50'])} / {f(b['p95'])} | {f(c.get('p50'))} / {f(c.get('p99'))}"
                 f" | {f(i['p50'])} / {f(i['p99'])} |"
             )

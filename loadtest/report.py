@@ -9,6 +9,9 @@ after the first is a barge-in). A load above `--max-calls` (gateway.max_calls) h
 callers refused with 503. For each load it reports:
 - turn latency (the caller's end of speech to the first agent audio it receives) p50/p95/p99,
   and the same split into hops from the ring records' CLOCK_MONOTONIC stamps (loadtest.gpu_run);
+- the pipeline overhead: the turn less the VAD silence window and the model time the stages
+  timed on its path (final decode, first token, the first phrase's words, its first chunk),
+  in all and by hop;
 - barge-in latency at the client, and the server's cancel latency per stage;
 - audio gaps both ways: intervals between frames the callers received, and between frames the
   gateway received from them (20 ms apart when nothing is lost; over 80 ms is a gap over 60 ms);
@@ -327,8 +330,8 @@ def table(results: dict[str, Any]) -> str:
     rows = [
         "| callers | admitted / refused / no report | turns | turn p50 / p95 / p99 ms | "
         + " | ".join(f"{h} p50" for h, _, _ in HOPS)
-        + " | barge-in p50 / p95 | cancel last ack p50 / p99 |",
-        "|---:|---:|---:|---:|" + "---:|" * len(HOPS) + "---:|---:|",
+        + " | overhead p50 / p95 | barge-in p50 / p95 | cancel last ack p50 / p99 |",
+        "|---:|---:|---:|---:|" + "---:|" * len(HOPS) + "---:|---:|---:|",
     ]
     for n, f in loads.items():
         if "error" in f:
@@ -336,11 +339,13 @@ def table(results: dict[str, Any]) -> str:
             continue
         t, b, s = f["turn_ms"], f["barge_in_at_client_ms"], f["sessions"]
         c = f["cancel_ms"].get("last_ack", {})
+        o = f.get("pipeline_overhead_ms", {})
         rows.append(
             f"| {n} | {s['admitted']} / {s['refused']} / {s['no_report']} | "
             f"{f['turns_answered']} of {f['turns_asked']} | "
             f"{_f(t['p50'])} / {_f(t['p95'])} / {_f(t['p99'])} | "
             + " | ".join(_f(f["hops_ms"][h]["p50"]) for h, _, _ in HOPS)
+            + f" | {_f(o.get('p50'))} / {_f(o.get('p95'))}"
             + f" | {_f(b['p50'])} / {_f(b['p95'])} | {_f(c.get('p50'))} / {_f(c.get('p99'))} |"
         )
     rows += [
@@ -366,6 +371,17 @@ def table(results: dict[str, Any]) -> str:
             + " / ".join(_f(cpu.get(p)) for p in ("gateway", "encoder", "reasoning", "vocoder"))
             + " |"
         )
+    rows += [
+        "",
+        "| callers | pipeline overhead p50 by hop, ms: "
+        + " / ".join(h for h, _, _ in HOPS)
+        + " (the VAD hop's beyond its silence window) |",
+        "|---:|---:|",
+    ]
+    for n, f in loads.items():
+        by_hop = f.get("overhead_by_hop_ms")
+        if by_hop:
+            rows.append(f"| {n} | " + " / ".join(_f(by_hop[h]["p50"]) for h, _, _ in HOPS) + " |")
     rows += ["", "| memory over the run | first MiB | last MiB | max MiB | slope MiB/min |"]
     rows.append("|---|---:|---:|---:|---:|")
     for k, g in results["memory_over_run"].items():

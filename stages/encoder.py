@@ -134,11 +134,13 @@ class EncoderStage(QueuedStage):
 
     def _finish(self, session: int, turn: Turn | None, item: Inbound) -> None:
         msg: SpeechStopped = item.msg
-        text = ""
+        text, decode_ns = "", 0
         if turn is not None:
             try:
                 if not turn.dropped:
+                    t0 = time.monotonic_ns()
                     text = self._stream(turn).finish()
+                    decode_ns = time.monotonic_ns() - t0
             finally:
                 self._close(turn)
         final = Transcript(
@@ -147,6 +149,7 @@ class EncoderStage(QueuedStage):
             final=True,
             create_response=msg.create_response,
             speech_stopped_ns=item.t_ns,
+            decode_ns=decode_ns,
         )
         self.send(GATEWAY, session, final, epoch=item.epoch)
         self.send("reasoning", session, final, epoch=item.epoch)

@@ -64,6 +64,7 @@ class Transcript(Msg):
     create_response: bool = True  # from the SPEECH_STOPPED it answers
     # CLOCK_MONOTONIC of the SPEECH_STOPPED record this final transcript answers (0 for partials)
     speech_stopped_ns: int = 0
+    decode_ns: int = 0  # the recognizer's time on the final decode (model time, for the overhead)
 
 
 class SessionOpen(Msg):
@@ -126,6 +127,8 @@ class TextDelta(Msg):
     response_id: str
     text: str
     index: int  # position of the delta in the reply
+    # on the first delta: ns from handing the request to the engine to this token (model time)
+    since_submit_ns: int = 0
 
 
 class ResponseDone(Msg):
@@ -142,6 +145,9 @@ class Phrase(Msg):
     response_id: str
     text: str
     sample_rate: int
+    # the stamp of the TEXT_DELTA (or RESPONSE_DONE) record that completed the phrase: how long
+    # the phrase waited for its words (model time) and then for the vocoder (scheduling)
+    ready_ns: int = 0
 
 
 class AudioDone(Msg):

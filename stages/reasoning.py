@@ -270,12 +270,14 @@ class ReasoningStage(Stage):
             else None
         )
         status, first_ns, index = "completed", 0, 0
+        submitted_ns = time.monotonic_ns()
         try:
             async for text in self.engine.generate(response.request_id, prompt, sampling):
                 if not first_ns:
                     first_ns = time.monotonic_ns()
                 response.text += text
-                delta = TextDelta(response.response_id, text, index)
+                since_submit = first_ns - submitted_ns if index == 0 else 0
+                delta = TextDelta(response.response_id, text, index, since_submit)
                 index += 1
                 self.send("vocoder", session, delta, epoch=e)
                 self.send(GATEWAY, session, delta, epoch=e)

@@ -50,7 +50,8 @@ class Reply:
     response_id: str
     epoch: int
     splitter: PhraseSplitter
-    pending: collections.deque[str] = field(default_factory=collections.deque)
+    # phrases waiting for the voice, with the stamp of the record that completed each
+    pending: collections.deque[tuple[str, int]] = field(default_factory=collections.deque)
     speaking: Iterator[np.ndarray] | None = None  # the phrase being synthesized, chunk by chunk
     samples: int = 0  # synthesized so far
     started: float | None = None  # monotonic time of its first audio
@@ -107,12 +108,12 @@ class VocoderStage(QueuedStage):
         elif item.kind is Kind.TEXT_DELTA:
             reply = self._reply_for(item)
             if reply is not None:
-                reply.pending.extend(reply.splitter.feed(item.msg.text))
+                reply.pending.extend((p, item.t_ns) for p in reply.splitter.feed(item.msg.text))
         elif item.kind is Kind.RESPONSE_DONE:
             reply = self._reply_for(item)
             if reply is not None:
                 if rest := reply.splitter.flush():
-                    reply.pending.append(rest)
+                    reply.pending.append((rest, item.t_ns))
                 reply.done_status = item.msg.status
         elif item.kind is Kind.CANCEL:
             self._drop(s)
@@ -176,8 +177,9 @@ class VocoderStage(QueuedStage):
         in pieces of at most 100 ms."""
         rate = self.voice.sample_rate
         if reply.speaking is None:
-            text = reply.pending.popleft()
-            self.send(GATEWAY, session, Phrase(reply.response_id, text, rate), epoch=reply.epoch)
+            text, ready_ns = reply.pending.popleft()
+            phrase = Phrase(reply.response_id, text, rate, ready_ns)
+            self.send(GATEWAY, session, phrase, epoch=reply.epoch)
             epoch = reply.epoch
             reply.speaking = iter(
                 # a cancel stops the engine within a step, before the CANCEL record is read

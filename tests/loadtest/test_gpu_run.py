@@ -11,6 +11,7 @@ import pytest
 
 from loadtest.conversation import FRAME, WatchedSpeaker, last_voiced_frame
 from loadtest.gpu_run import (
+    HOPS,
     Seen,
     cancel_latencies,
     inter_token_ms,
@@ -54,6 +55,9 @@ def test_cpu_try_out_layout_needs_no_gpu() -> None:
     assert all(p.gpus is None for p in plan(config, gpu_count=0, environ={}).values())
 
 
+HOPS_NAMES = [name for name, _, _ in HOPS]
+
+
 def seen(t_ms: float, stage: str, kind: Kind, msg, call="call-a", sent=None) -> Seen:
     t = int(t_ms * MS)
     return Seen(t + 1, call, 1, stage, kind, t, msg, sent)
@@ -71,12 +75,17 @@ def one_turn() -> tuple[list[dict], list[Seen]]:
     records = [
         # an earlier turn of the same call, before this end of speech: not this turn's
         seen(500, "encoder", Kind.TRANSCRIPT, Transcript(1, "x", True, True, int(400 * MS))),
-        seen(1560, "encoder", Kind.TRANSCRIPT, Transcript(2, "hi", True, True, int(1500 * MS))),
+        seen(
+            1560,
+            "encoder",
+            Kind.TRANSCRIPT,
+            Transcript(2, "hi", True, True, int(1500 * MS), decode_ns=int(40 * MS)),
+        ),
         seen(1561, "reasoning", Kind.RESPONSE_STARTED, ResponseStarted("r2", 2)),
-        seen(1580, "reasoning", Kind.TEXT_DELTA, TextDelta("r2", "a", 0)),
+        seen(1580, "reasoning", Kind.TEXT_DELTA, TextDelta("r2", "a", 0, int(15 * MS))),
         seen(1585, "reasoning", Kind.TEXT_DELTA, TextDelta("r2", " b", 1)),
         seen(1595, "reasoning", Kind.TEXT_DELTA, TextDelta("r2", " c", 2)),
-        seen(1600, "vocoder", Kind.PHRASE, Phrase("r2", "a b c", 16000)),
+        seen(1600, "vocoder", Kind.PHRASE, Phrase("r2", "a b c", 16000, int(1595 * MS))),
         seen(1700, "vocoder", Kind.AUDIO_OUT, None),
         seen(1800, "vocoder", Kind.AUDIO_OUT, None),
     ]
@@ -94,15 +103,29 @@ def test_a_turn_is_split_into_its_hops() -> None:
             "first_phrase": 20,
             "first_audio_chunk": 100,
             "playout": 200,
+            # decode 40 + first token 15 + words of the first phrase 15 + first chunk 100
+            "model": 170,
+            "overhead_vad_decision": 500,
+            "overhead_encoder": 20,
+            "overhead_first_token": 5,
+            "overhead_first_phrase": 5,
+            "overhead_first_audio_chunk": 0,
+            "overhead_playout": 200,
         }
     )
-    assert sum(v for k, v in hops.items() if k != "turn") == pytest.approx(hops["turn"])
+    split = sum(hops[h] for h in HOPS_NAMES)
+    assert split == pytest.approx(hops["turn"])
+    overhead = sum(hops[f"overhead_{h}"] for h in HOPS_NAMES)
+    assert overhead == pytest.approx(hops["turn"] - hops["model"])
 
 
 def test_load_figures_subtract_the_vad_window_and_time_tokens() -> None:
     figures = load_figures(*one_turn(), silence_ms=500)
     assert figures["turn_ms"]["p50"] == 900
     assert figures["turn_beyond_vad_window_ms"]["p95"] == 400
+    assert figures["pipeline_overhead_ms"]["p50"] == pytest.approx(400 - 170)
+    assert figures["overhead_by_hop_ms"]["vad_decision"]["p50"] == 0  # all of it the window
+    assert figures["overhead_by_hop_ms"]["playout"]["p50"] == 200
     assert figures["inter_token_ms_during_calls"]["n"] == 2
     assert figures["turns_answered"] == figures["turns_asked"] == 1
 
