@@ -49,6 +49,9 @@ class Turn:
     epoch: int
     stream: RecognizerStream | None = None  # opened by the turn's first job
     dropped: bool = False
+    stopped_ns: int = 0  # stamp of the SPEECH_STOPPED record that ends the turn
+    # recognizer time after that stamp: the audio still being decoded, then the final decode
+    model_after_stop_ns: int = 0
 
 
 class EncoderStage(QueuedStage):
@@ -85,6 +88,8 @@ class EncoderStage(QueuedStage):
             self._open(s, item.msg.turn_id, item.epoch)
         elif item.kind is Kind.SPEECH_STOPPED:
             turn = self.turns.pop(s, None)
+            if turn is not None:
+                turn.stopped_ns = item.t_ns
             self.lanes.submit(s, lambda: self._finish(s, turn, item))
         elif item.kind is Kind.CANCEL:
             # stale audio is gone from the ring already; a turn begun before the cancel is
@@ -123,13 +128,24 @@ class EncoderStage(QueuedStage):
     def _feed(self, session: int, turn: Turn, pcm: np.ndarray) -> None:
         if turn.dropped:
             return
+        t0 = time.monotonic_ns()
         partial = self._stream(turn).feed(pcm)
+        self._count_model_time(turn, t0)
         if partial:
             self.send(
                 GATEWAY,
                 session,
                 Transcript(turn.turn_id, partial, final=False),
                 epoch=turn.epoch,
+            )
+
+    @staticmethod
+    def _count_model_time(turn: Turn, started_ns: int) -> None:
+        """Add the part of a recognizer call since `started_ns` that came after the turn's
+        end (model time on the path to the reply; the rest was hidden while the caller spoke)."""
+        if turn.stopped_ns:
+            turn.model_after_stop_ns += max(
+                0, time.monotonic_ns() - max(started_ns, turn.stopped_ns)
             )
 
     def _finish(self, session: int, turn: Turn | None, item: Inbound) -> None:
@@ -140,7 +156,8 @@ class EncoderStage(QueuedStage):
                 if not turn.dropped:
                     t0 = time.monotonic_ns()
                     text = self._stream(turn).finish()
-                    decode_ns = time.monotonic_ns() - t0
+                    self._count_model_time(turn, t0)
+                    decode_ns = turn.model_after_stop_ns
             finally:
                 self._close(turn)
         final = Transcript(

@@ -64,7 +64,9 @@ class Transcript(Msg):
     create_response: bool = True  # from the SPEECH_STOPPED it answers
     # CLOCK_MONOTONIC of the SPEECH_STOPPED record this final transcript answers (0 for partials)
     speech_stopped_ns: int = 0
-    decode_ns: int = 0  # the recognizer's time on the final decode (model time, for the overhead)
+    # recognizer time after the SPEECH_STOPPED stamp: audio still being decoded, then the final
+    # decode (model time on the path to the reply, for the pipeline overhead)
+    decode_ns: int = 0
 
 
 class SessionOpen(Msg):
