@@ -2,8 +2,9 @@
 
 Replies are interleaved a block at a time: each turn of the model loop takes the next chunk
 (one streamed block of a neural voice) of the reply least far ahead of its playback, so one
-caller's long phrase never holds up another caller's first audio, and a CANCEL waits for one
-block at most, not a whole phrase.
+caller's long phrase never holds up another caller's first audio. A cancel reaches the voice
+itself: its `stop()` asks the session's epoch every decoder step, so the engine stops before the
+CANCEL record is even read. `vocoder.replicas` runs several of these processes (stages.rings).
 """
 
 from __future__ import annotations
