@@ -1,9 +1,10 @@
 """Neural voice: SpeechT5 text-to-speech with a HiFi-GAN vocoder, through transformers.
 
 Real weights are microsoft/speecht5_tts and microsoft/speecht5_hifigan (local folders here, since
-nothing can be downloaded). SpeechT5 is autoregressive over whole utterances and its post-net looks
-at the whole spectrogram, so audio comes out per call: the vocoder stage should hand it one phrase
-at a time. A text longer than the model's positions allow is spoken in word-boundary pieces.
+nothing can be downloaded). SpeechT5 is autoregressive over whole utterances; this backend runs
+its decoder loop itself and vocodes every ``stream_steps`` steps (with a few frames of context
+either side), so audio comes out while a phrase is being decoded, and a ``stop()`` ends it at the
+next step. A text longer than the model's positions allow is spoken in word-boundary pieces.
 
 The speaker is a 512-float x-vector from a ``.npy`` file; without one a fixed synthetic vector is
 used (logged), which sounds like nobody in particular but is the same in every process.
