@@ -517,7 +517,9 @@ async def _measure_loads(
     return out
 
 
-def layout_config(name: str, models: Any, gpu_count: int, device: str) -> tuple[Any, list[str]]:
+def layout_config(
+    name: str, models: Any, gpu_count: int, device: str, vocoder_replicas: int | None = None
+) -> tuple[Any, list[str]]:
     """The layout's configuration with the built models' folders; notes on what was changed."""
     from gateway.config import GatewayConfig, load_config
 
@@ -531,6 +533,9 @@ def layout_config(name: str, models: Any, gpu_count: int, device: str) -> tuple[
     }
     if "auth" in GatewayConfig.model_fields:  # callers on 127.0.0.1 carry no API key
         overrides["gateway.auth.enabled"] = False
+    if vocoder_replicas is not None:
+        overrides["vocoder.replicas"] = vocoder_replicas
+        notes.append(f"vocoder.replicas: {vocoder_replicas} (from the command line)")
     if name == "tp2" and gpu_count == 2:
         overrides["encoder.gpus"] = overrides["vocoder.gpus"] = [1]
         notes.append("only 2 GPUs: encoder and vocoder share GPU 1 with vLLM's second shard")
@@ -554,7 +559,7 @@ def layout_config(name: str, models: Any, gpu_count: int, device: str) -> tuple[
 def run_layout(name: str, models: Any, speech: np.ndarray, args: argparse.Namespace) -> dict:
     from stages.supervisor import Supervisor
 
-    config, notes = layout_config(name, models, args.gpu_count, args.device)
+    config, notes = layout_config(name, models, args.gpu_count, args.device, args.vocoder_replicas)
     out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
     t0 = time.monotonic()
     with Supervisor(config) as supervisor:
@@ -664,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns-single", type=int, default=8, help="turns of a lone caller")
     parser.add_argument("--itl-streams", type=ints, default=[8, 32])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--vocoder-replicas", type=int, default=None, help="override the layouts' vocoder.replicas"
+    )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))

@@ -167,3 +167,10 @@ def test_the_agent_counts_as_stopped_once_200_ms_are_silent() -> None:
     speaker.levels = levels
     assert speaker.stopped_after(0.0) == pytest.approx(0.02 * 9)
     assert speaker.stopped_after(0.3) is None
+
+
+def test_vocoder_replicas_can_be_overridden_for_a_comparison() -> None:
+    config, notes = layout_config("one", MODELS, gpu_count=1, device="cuda", vocoder_replicas=1)
+    assert config.vocoder.replicas == 1 and "vocoder.replicas: 1" in notes[-1]
+    config, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
+    assert config.vocoder.replicas == 4  # what configs/gpu-one.yaml asks for
