@@ -191,8 +191,9 @@ def stage_milestones(seen: list[Seen]) -> dict[str, Any]:
 
 def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str, float]]:
     """Each caller turn's milestones (ns) joined with the stages': a dict of hop -> ms, plus
-    "model": the model time on the turn's path, as the stages timed it (the final decode, the
-    engine's first token, the tokens the first phrase waited for, its first audio chunk)."""
+    "model": the model time on the turn's path, as the stages timed it (the recognizer after the
+    end of speech, the engine's first token, the tokens the first phrase waited for, its first
+    audio chunk), and "overhead_<hop>": each hop less its model time."""
     calls = stage_milestones(seen)
     turns = []
     for report in reports:
@@ -223,7 +224,7 @@ def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str,
                 if r.get("deltas") and r.get("phrase_ready") and "first_audio_chunk" in r:
                     # model time on the turn's critical path, per hop
                     model_ns = {
-                        "encoder": final[3],  # the final decode
+                        "encoder": final[3],  # recognizer work after the end of speech
                         "first_token": r.get("since_submit", 0),  # the engine's first token
                         "first_phrase": r["phrase_ready"] - r["deltas"][0],  # its words
                         "first_audio_chunk": r["first_audio_chunk"] - r["first_phrase"],
