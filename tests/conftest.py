@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import wave
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -106,11 +107,21 @@ def make_speech(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Spe
 
 
 @pytest.fixture(scope="module")
-def supervisor(config) -> Iterator[Supervisor]:
-    """The stages of the requesting module's `config`, running for the whole module."""
-    with Supervisor(config) as sup:
+def restarted() -> threading.Event:
+    """Set when the module's supervisor restarts a stage."""
+    return threading.Event()
+
+
+@pytest.fixture(scope="module")
+def supervisor(config, restarted: threading.Event) -> Iterator[Supervisor]:
+    """The stages of the requesting module's `config`, running for the whole module; once they
+    are stopped, no segment of theirs and no stage process is left."""
+    with Supervisor(config, on_restart=lambda stage, n: restarted.set()) as sup:
         sup.start()
+        segments = [sup.names.control, *(sup.names.ring(*link) for link in sup.rings.rings)]
         yield sup
+    assert not set(segments) & set(list_segments()), "supervisor left segments behind"
+    assert all(not s.process.is_alive() for s in sup.stages.values())
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

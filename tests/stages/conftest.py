@@ -1,4 +1,5 @@
-"""Fixtures of the speech backend tests: tiny random-weight models built once per session."""
+"""Fixtures of the stage tests: tiny random-weight models built once per session, and the
+gateway's end of the rings of a module's `supervisor` (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from stages.backends.tiny_speech_models import (
     ensure_tiny_speecht5,
     ensure_tiny_whisper,
 )
+from stages.link import EventQueues, PipelineLink
+from stages.supervisor import Supervisor
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +41,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def events() -> EventQueues:
+    return EventQueues()
+
+
+@pytest.fixture(scope="module")
+def link(supervisor: Supervisor, events: EventQueues) -> Iterator[PipelineLink]:
+    link = PipelineLink(supervisor.names, events)
+    yield link
+    link.close()

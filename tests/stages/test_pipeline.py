@@ -8,19 +8,18 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import shm
 from gateway.config import load_config
 from stages.backends.asr_pocketsphinx import load_pocketsphinx
 from stages.driver import collect_reply, speak_turn
 from stages.link import EventQueues, PipelineLink, StageEvent
 from stages.messages import Kind
 from stages.supervisor import Supervisor
+from tests.stages.stage_events import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -29,14 +28,9 @@ SENTENCE = "what is the weather like today in paris"
 
 
 @pytest.fixture(scope="module")
-def restarted() -> threading.Event:
-    return threading.Event()
-
-
-@pytest.fixture(scope="module")
-def supervisor(restarted: threading.Event) -> Iterator[Supervisor]:
+def config():
     # long replies (ignore_eos) so that there is always a reply in flight to cancel
-    config = load_config(
+    return load_config(
         OFFLINE,
         {
             "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
@@ -45,25 +39,6 @@ def supervisor(restarted: threading.Event) -> Iterator[Supervisor]:
             "vocoder.max_lead_ms": 600_000,
         },
     )
-    sup = Supervisor(config, on_restart=lambda stage, n: restarted.set())
-    sup.start()
-    names = [sup.names.control, *(sup.names.ring(*link) for link in sup.rings.rings)]
-    yield sup
-    sup.stop()
-    assert not set(names) & set(shm.list_segments()), "supervisor left segments behind"
-    assert all(not s.process.is_alive() for s in sup.stages.values())
-
-
-@pytest.fixture(scope="module")
-def events() -> EventQueues:
-    return EventQueues()
-
-
-@pytest.fixture(scope="module")
-def link(supervisor: Supervisor, events: EventQueues) -> Iterator[PipelineLink]:
-    link = PipelineLink(supervisor.names, events)
-    yield link
-    link.close()
 
 
 def drain(events: EventQueues, session: int) -> list[StageEvent]:
@@ -71,15 +46,6 @@ def drain(events: EventQueues, session: int) -> list[StageEvent]:
     while not q.empty():
         out.append(q.get())
     return out
-
-
-def wait_for(events: EventQueues, session: int, kind: Kind, timeout: float = 30) -> StageEvent:
-    deadline = time.monotonic() + timeout
-    while True:
-        ev = events.next(session, max(0.01, deadline - time.monotonic()))
-        if ev.kind is kind:
-            return ev
-        assert ev.kind is not Kind.ERROR, ev.msg
 
 
 def wait_acks(

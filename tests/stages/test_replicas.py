@@ -7,17 +7,16 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import shm
 from gateway.config import load_config
-from stages.link import EventQueues, PipelineLink, StageEvent
+from stages.link import EventQueues, PipelineLink
 from stages.messages import Kind
 from stages.rings import RingNames, role_of
 from stages.supervisor import Supervisor
+from tests.stages.stage_events import wait_for
 
 OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
 
@@ -44,13 +43,8 @@ def test_ring_names_expand_the_replicas() -> None:
 
 
 @pytest.fixture(scope="module")
-def restarted() -> threading.Event:
-    return threading.Event()
-
-
-@pytest.fixture(scope="module")
-def supervisor(restarted: threading.Event) -> Iterator[Supervisor]:
-    config = load_config(
+def config():
+    return load_config(
         OFFLINE,
         {
             "vocoder.replicas": 2,
@@ -58,32 +52,6 @@ def supervisor(restarted: threading.Event) -> Iterator[Supervisor]:
             "vocoder.max_lead_ms": 600_000,
         },
     )
-    sup = Supervisor(config, on_restart=lambda stage, n: restarted.set())
-    sup.start()
-    names = [sup.names.control, *(sup.names.ring(*link) for link in sup.rings.rings)]
-    yield sup
-    sup.stop()
-    assert not set(names) & set(shm.list_segments()), "supervisor left segments behind"
-
-
-@pytest.fixture(scope="module")
-def events() -> EventQueues:
-    return EventQueues()
-
-
-@pytest.fixture(scope="module")
-def link(supervisor: Supervisor, events: EventQueues) -> Iterator[PipelineLink]:
-    lnk = PipelineLink(supervisor.names, events)
-    yield lnk
-    lnk.close()
-
-
-def first(events: EventQueues, session: int, kind: Kind, timeout: float = 60) -> StageEvent:
-    deadline = time.monotonic() + timeout
-    while True:
-        ev = events.next(session, max(0.01, deadline - time.monotonic()))
-        if ev.kind is kind:
-            return ev
 
 
 def two_sessions_on_different_replicas(link: PipelineLink) -> tuple[int, int]:
@@ -103,13 +71,13 @@ def test_each_session_is_spoken_by_its_replica_and_cancelled_there(
         for s in (a, b):
             link.create_response(s, f"resp-{s}", text="say something")
         for s in (a, b):
-            audio = first(events, s, Kind.AUDIO_OUT)
+            audio = wait_for(events, s, Kind.AUDIO_OUT)
             assert audio.stage == link.names.instance_for("vocoder", s)
         for s in (a, b):
             cancel_id, _ = link.cancel(s, f"resp-{s}")
             acks: set[str] = set()
             while len(acks) < 3:
-                ev = first(events, s, Kind.CANCEL_ACK)
+                ev = wait_for(events, s, Kind.CANCEL_ACK)
                 if ev.msg.cancel_id == cancel_id:
                     acks.add(ev.msg.stage)
             # the replica acks as "vocoder": the gateway waits for one ack per role
@@ -130,10 +98,10 @@ def test_a_dead_replica_fails_only_its_own_sessions(
     try:
         for s in (a, b):
             link.create_response(s, f"long-{s}", text="talk for a while")
-            first(events, s, Kind.AUDIO_OUT)
+            wait_for(events, s, Kind.AUDIO_OUT)
         victim = supervisor.stages[victim_name].process.pid
         os.kill(victim, signal.SIGKILL)
-        error = first(events, b, Kind.ERROR)
+        error = wait_for(events, b, Kind.ERROR)
         assert error.msg.code == "stage_restarted" and error.msg.stage == "vocoder"
         assert restarted.wait(60), f"{victim_name} was not restarted"
         assert supervisor.stages[victim_name].process.pid != victim
