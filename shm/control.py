@@ -64,10 +64,13 @@ class Control:
         """Bump the session's epoch, purging its queued records everywhere; return the new one."""
         return self._core.cancel(session)
 
-    def open_session(self) -> int | None:
+    def open_session(self, first: int = 0, step: int = 1) -> int | None:
         """Claim a free session id for this process (its epoch is bumped, so nothing a previous
-        holder queued is delivered); None when every slot is taken."""
-        return self._core.claim()
+        holder queued is delivered); None when every slot is taken.
+
+        Only ids `first`, `first + step`, ... are looked at: processes that hand out ids from
+        one segment take disjoint strides (gateway k of n: first=k, step=n)."""
+        return self._core.claim(first, step)
 
     def close_session(self, session: int) -> None:
         """Free a session id; records still queued for it become stale."""

@@ -185,11 +185,18 @@ static PyObject *Control_cancel(ControlObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLong(epoch);
 }
 
-static PyObject *Control_claim(ControlObject *self, PyObject *unused) {
+static PyObject *Control_claim(ControlObject *self, PyObject *args) {
     uint32_t session;
+    unsigned int first = 0, step = 1;
+    if (!PyArg_ParseTuple(args, "|II:claim", &first, &step))
+        return NULL;
     if (control_check(self) < 0)
         return NULL;
-    if (og_control_claim(self->shared, (int32_t)getpid(), &session) != OG_OK)
+    if (step == 0) {
+        PyErr_SetString(PyExc_ValueError, "claim: step must be at least 1");
+        return NULL;
+    }
+    if (og_control_claim(self->shared, (int32_t)getpid(), first, step, &session) != OG_OK)
         Py_RETURN_NONE;
     return PyLong_FromUnsignedLong(session);
 }
@@ -246,7 +253,8 @@ static PyObject *Control_get_closed(ControlObject *self, void *c) {
 static PyMethodDef Control_methods[] = {
     {"epoch", (PyCFunction)Control_epoch, METH_O, "The session's current epoch."},
     {"cancel", (PyCFunction)Control_cancel, METH_O, "Increment the session's epoch; return it."},
-    {"claim", (PyCFunction)Control_claim, METH_NOARGS, "Claim a free session slot."},
+    {"claim", (PyCFunction)Control_claim, METH_VARARGS,
+     "claim(first=0, step=1): claim the lowest free slot of first, first+step, ..."},
     {"release", (PyCFunction)Control_release, METH_O, "Free a session slot."},
     {"holder", (PyCFunction)Control_holder, METH_O, "pid holding a slot, 0 if free."},
     {"close", (PyCFunction)Control_close, METH_NOARGS, "Unmap (and unlink, for the owner)."},

@@ -115,8 +115,11 @@ static inline _Atomic uint32_t *slot_of(og_control_shared *c, uint32_t session) 
     return &c->epochs[c->max_sessions + session];
 }
 
-og_status og_control_claim(og_control_shared *c, int32_t holder_pid, uint32_t *session) {
-    for (uint32_t s = 0; s < c->max_sessions; s++) {
+og_status og_control_claim(og_control_shared *c, int32_t holder_pid, uint32_t first, uint32_t step,
+                           uint32_t *session) {
+    if (step == 0)
+        return OG_BAD_SESSION;
+    for (uint32_t s = first; s < c->max_sessions; s += step) {
         uint32_t expected = OG_SLOT_FREE;
         if (atomic_compare_exchange_strong(slot_of(c, s), &expected, (uint32_t)holder_pid)) {
             atomic_fetch_add_explicit(&c->epochs[s], 1, memory_order_acq_rel);

@@ -139,8 +139,11 @@ og_status og_control_epoch(og_control_shared *c, uint32_t session, uint32_t *epo
 og_status og_control_cancel(og_control_shared *c, uint32_t session, uint32_t *new_epoch);
 /* Session slots, so that several processes can hand out session ids without clashing:
  * claim a free slot for `holder_pid` (its epoch is bumped, purging anything a previous holder
- * left queued), release it, read who holds it (0 when free). */
-og_status og_control_claim(og_control_shared *c, int32_t holder_pid, uint32_t *session);
+ * left queued), release it, read who holds it (0 when free). A claim looks only at the slots
+ * first, first + step, first + 2 step, ...: processes that share the segment take disjoint
+ * strides, so the session id alone says which of them owns a session. */
+og_status og_control_claim(og_control_shared *c, int32_t holder_pid, uint32_t first, uint32_t step,
+                           uint32_t *session);
 og_status og_control_release(og_control_shared *c, uint32_t session);
 og_status og_control_holder(og_control_shared *c, uint32_t session, int32_t *holder_pid);
 

@@ -212,6 +212,23 @@ def test_owner_close_unlinks(control: Control) -> None:
     assert ring.name not in shm.list_segments()
 
 
+def test_session_claims_in_strides_never_clash() -> None:
+    control = Control.create(segment_name("test-strides"), 7)
+    try:
+        # two processes' worth of claims: gateway 0 of 2 takes even ids, gateway 1 odd ones
+        evens = [control.open_session(0, 2) for _ in range(5)]
+        odds = [control.open_session(1, 2) for _ in range(4)]
+        assert evens == [0, 2, 4, 6, None]
+        assert odds == [1, 3, 5, None]
+        control.close_session(3)
+        assert control.open_session(0, 2) is None  # a free odd id is not an even one's
+        assert control.open_session(1, 2) == 3
+        with pytest.raises(ValueError, match="step"):
+            control.open_session(0, 0)
+    finally:
+        control.close()
+
+
 def test_negative_timeout_is_rejected(ring: Ring) -> None:
     with pytest.raises(ValueError, match="timeout"):
         ring.pop(timeout=-1)
