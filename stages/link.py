@@ -62,9 +62,18 @@ class StageEvent:
 class PipelineLink:
     """Attaches to the gateway's ends of the rings; `on_event` runs on reader threads."""
 
-    def __init__(self, names: RingNames, on_event: Callable[[StageEvent], None]) -> None:
+    def __init__(
+        self,
+        names: RingNames,
+        on_event: Callable[[StageEvent], None],
+        instance: str = GATEWAY,
+    ) -> None:
+        """`instance`: which gateway process this is ('gateway', 'gateway.1', ...); it hands
+        out only its own stride of session ids."""
         self.names = names
-        self.control, self._inputs, self._outputs = attach_ends(names, GATEWAY)
+        self.instance = instance
+        self._stride = names.gateway_stride(instance)
+        self.control, self._inputs, self._outputs = attach_ends(names, instance)
         self.on_event = on_event
         self._stop = threading.Event()
         self._cancel_ids = itertools.count(1)
@@ -108,9 +117,11 @@ class PipelineLink:
 
     def open_session(self, opening: SessionOpen | None = None) -> int:
         """Claim a session id and tell every stage; raises SessionsFull when none is free."""
-        session = self.control.open_session()
+        session = self.control.open_session(*self._stride)
         if session is None:
-            raise SessionsFull(f"all {self.control.max_sessions} sessions are in use")
+            first, step = self._stride
+            count = len(range(first, self.control.max_sessions, step))
+            raise SessionsFull(f"all {count} sessions of {self.instance} are in use")
         for stage in STAGES:
             self._send(stage, session, opening or SessionOpen())
         return session
@@ -197,8 +208,8 @@ class PipelineLink:
 
     def rings(self) -> dict[str, Any]:
         """This end's rings by name ('encoder->gateway', ...), for metrics."""
-        out = {f"{src}->{GATEWAY}": ring for src, ring in self._inputs.items()}
-        out.update({f"{GATEWAY}->{dst}": o.ring for dst, o in self._outputs.items()})
+        out = {f"{src}->{self.instance}": ring for src, ring in self._inputs.items()}
+        out.update({f"{self.instance}->{dst}": o.ring for dst, o in self._outputs.items()})
         return out
 
     def close(self) -> None:

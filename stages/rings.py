@@ -8,9 +8,11 @@ encoder ─▶ gateway (transcripts)   reasoning ─▶ gateway (text deltas)
 ```
 The supervisor creates (and owns) every segment; each process attaches to its own ends.
 
-A stage role may run as several replica processes (`vocoder.replicas`): instances `vocoder`,
-`vocoder.1`, ... each with its own rings (SPSC stays SPSC), and each session served by one of
-them, `session % replicas`. Senders name the role; `RingNames.instance_for` picks the ring.
+A role may run as several processes (`vocoder.replicas`, `gateway.processes`): instances
+`vocoder`, `vocoder.1`, ... each with its own rings (SPSC stays SPSC). Gateway k of n hands out
+the session ids k, k + n, k + 2n, ... (`Control.open_session(k, n)`), so a session's id says
+which gateway owns it; a stage role's replicas split each gateway's sessions between them,
+`(session // n) % replicas`. Senders name the role; `RingNames.instance_for` picks the ring.
 Acknowledgements and errors carry the role, so the gateway sees one vocoder whatever the count.
 """
 
@@ -69,7 +71,7 @@ class RingNames:
     def fresh(cls, replicas: Mapping[str, int] | None = None) -> RingNames:
         counts = tuple(sorted((r, n) for r, n in (replicas or {}).items() if n != 1))
         for role, n in counts:
-            if role not in STAGES or n < 1:
+            if role not in (GATEWAY, *STAGES) or n < 1:
                 raise ValueError(f"cannot run {n} replicas of {role!r}")
         return cls(segment_name("pipe")[1:], counts)
 
@@ -98,9 +100,19 @@ class RingNames:
             (a, b) for src, dst in LINKS for a in self.instances(src) for b in self.instances(dst)
         )
 
+    @property
+    def gateways(self) -> tuple[str, ...]:
+        """The gateway processes' instances: 'gateway', 'gateway.1', ..."""
+        return self.instances(GATEWAY)
+
+    def gateway_stride(self, instance: str) -> tuple[int, int]:
+        """(first, step) of the session ids gateway `instance` hands out."""
+        return self.gateways.index(instance), self.count(GATEWAY)
+
     def instance_for(self, role: str, session: int) -> str:
         """The instance of `role` that serves `session` (the role itself when it has one)."""
-        k = session % self.count(role)
+        gateways = self.count(GATEWAY)
+        k = session % gateways if role == GATEWAY else (session // gateways) % self.count(role)
         return role if k == 0 else f"{role}.{k}"
 
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from shm import reap_stale
 from stages.config import PipelineConfig
-from stages.messages import Error
+from stages.messages import Error, SessionClose
 from stages.placement import StagePlacement, plan
-from stages.rings import GATEWAY, Outbox, RingNames, RingSet, role_of
+from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet, role_of
 from stages.worker import StageSpec, stage_main
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,21 @@ class StageProcess:
     failed_restarts: int = 0
 
 
+def terminate(procs: list[Any], timeout_s: float) -> None:
+    """SIGTERM each process, wait for all of them up to `timeout_s`, kill the stragglers."""
+    for p in procs:
+        if p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            logger.warning("%s did not stop in time; killing it", p.name)
+            p.kill()
+            p.join(5)
+
+
 class Supervisor:
     """Runs the encoder, reasoning and vocoder stages of one pipeline.
 
@@ -65,10 +80,12 @@ class Supervisor:
         *,
         log_level: int = logging.INFO,
         on_restart: Callable[[str, int], None] | None = None,
+        gateways: int = 1,
     ) -> None:
+        """`gateways`: how many gateway processes will attach (each gets its own rings)."""
         self.config = config
         self.log_level = log_level
-        self.names = RingNames.fresh({"vocoder": config.vocoder.replicas})
+        self.names = RingNames.fresh({"vocoder": config.vocoder.replicas, GATEWAY: gateways})
         self.rings: RingSet | None = None
         # by instance: 'encoder', 'reasoning', 'vocoder' and the vocoder's replicas
         self.stages = {name: StageProcess(name) for name in self.names.stages}
@@ -219,12 +236,34 @@ class Supervisor:
         assert self.rings is not None
         control = self.rings.control
         role = role_of(stage)
-        to_gateway = Outbox(self.rings.rings[(stage, GATEWAY)], stage, GATEWAY)
         for session in control.open_sessions():
             if self.names.instance_for(role, session) != stage:
                 continue  # served by another replica, which is alive
             control.cancel(session)
+            gateway = self.names.instance_for(GATEWAY, session)
+            to_gateway = Outbox(self.rings.rings[(stage, gateway)], stage, gateway)
             to_gateway.send(session, Error(role, "stage_restarted", message), timeout=1.0)
+
+    def release_gateway_sessions(self, instance: str, pid: int, reason: str) -> list[int]:
+        """Gateway process `instance` (pid `pid`) died: close each session it held in every
+        stage (the reasoning stage aborts its request, freeing its KV blocks) and free the
+        ids. Pushed into that process's own rings, whose producer is gone; returns the ids."""
+        assert self.rings is not None
+        control = self.rings.control
+        first, step = self.names.gateway_stride(instance)
+        closed = []
+        for session in range(first, control.max_sessions, step):
+            if control.holder(session) != pid:
+                continue
+            control.cancel(session)
+            for role in STAGES:
+                stage = self.names.instance_for(role, session)
+                Outbox(self.rings.rings[(instance, stage)], instance, stage).send(
+                    session, SessionClose(reason), timeout=1.0
+                )
+            control.close_session(session)
+            closed.append(session)
+        return closed
 
     # -- stop ------------------------------------------------------------------------------
 
@@ -233,18 +272,10 @@ class Supervisor:
         Safe to call twice."""
         self._stopping.set()
         with self._lock:
-            procs = [s.process for s in self.stages.values() if s.process is not None]
-            for p in procs:
-                if p.is_alive():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p.pid, signal.SIGTERM)
-            deadline = time.monotonic() + self.config.supervisor.stop_timeout_s
-            for p in procs:
-                p.join(max(0.1, deadline - time.monotonic()))
-                if p.is_alive():
-                    logger.warning("stage %s did not stop in time; killing it", p.name)
-                    p.kill()
-                    p.join(5)
+            terminate(
+                [s.process for s in self.stages.values() if s.process is not None],
+                self.config.supervisor.stop_timeout_s,
+            )
             for s in self.stages.values():
                 if s.conn is not None:
                     s.conn.close()

@@ -194,7 +194,7 @@ class VocoderStage(QueuedStage):
         except BaseException:
             reply.stop_speaking()
             raise
-        audio = self.outputs[GATEWAY]
+        audio = self.outputs[self.spec.names.instance_for(GATEWAY, session)]
         for piece in split_pcm16(chunk, rate):
             if self.control.epoch(session) != reply.epoch:
                 return  # cancelled meanwhile: the CANCEL in the inbox drops the reply

@@ -38,8 +38,26 @@ def test_ring_names_expand_the_replicas() -> None:
     assert not any(role_of(a) == role_of(b) for a, b in links)  # replicas never talk
     assert len(links) == 8 + 2 * 3  # the 8 links of one of each, plus 3 per extra vocoder
     assert RingNames.fresh({"vocoder": 1}).replicas == ()  # one is no replica at all
-    with pytest.raises(ValueError, match="replicas of 'gateway'"):
-        RingNames.fresh({"gateway": 2})
+    with pytest.raises(ValueError, match="replicas of 'supervisor'"):
+        RingNames.fresh({"supervisor": 2})
+
+
+def test_gateway_processes_own_strides_that_replicas_split() -> None:
+    names = RingNames.fresh({"gateway": 2, "vocoder": 2})
+    assert names.gateways == ("gateway", "gateway.1")
+    assert names.gateway_stride("gateway.1") == (1, 2)
+    owners = [names.instance_for("gateway", s) for s in range(8)]
+    assert owners == ["gateway", "gateway.1"] * 4
+    # each gateway's sessions (0, 2, 4, 6 and 1, 3, 5, 7) spread over both vocoders
+    for first in (0, 1):
+        assert [names.instance_for("vocoder", s) for s in range(first, 8, 2)] == [
+            "vocoder",
+            "vocoder.1",
+        ] * 2
+    links = set(names.links)
+    for gw in names.gateways:
+        assert {(gw, "encoder"), ("reasoning", gw), ("vocoder.1", gw)} <= links
+    assert names.stages == ("encoder", "reasoning", "vocoder", "vocoder.1")  # no gateway
 
 
 @pytest.fixture(scope="module")
