@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway import aiortc_tuning, speech
 from gateway import events as ev
@@ -23,15 +26,19 @@ from gateway.playout import PLAYOUT_RATE
 from gateway.protocol import ProtocolError, SessionConfig, TurnDetection
 from gateway.resample import CALLER_RATE
 from gateway.session import RealtimeSession
+from gateway.siblings import Siblings, call_id
 from gateway.speech import Utterance
 from gateway.webrtc import WebRTCTransport
 from gateway.websocket import serve_websocket, websocket_response
 from stages.link import PipelineLink, SessionsFull, StageEvent
-from stages.rings import RingNames
+from stages.rings import GATEWAY, RingNames
 
 logger = logging.getLogger(__name__)
 
 MAX_SDP_BYTES = 64 * 1024
+# several gateway processes: their metrics meet in files (prometheus_client's multiprocess mode,
+# which `omni-gateway start` turns on before anything imports prometheus_client)
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 GATEWAY_KEY = web.AppKey("gateway", "Gateway")
 
 
@@ -50,20 +57,37 @@ def openai_error(
 
 class Gateway:
     """Sessions in progress (WebRTC calls, WebSockets, speech requests) and the pipeline link
-    they share."""
+    they share: one gateway process's.
+
+    `instance` names the process among the service's (`gateway.processes`); with more than
+    one, `socket_dir` holds their sockets for the requests they pass each other
+    (gateway.siblings) and `signing_key` is the one their client secrets share.
+    """
 
     def __init__(
-        self, config: OmniConfig, names: RingNames, vocoder_rate: int, is_ready: Callable[[], bool]
+        self,
+        config: OmniConfig,
+        names: RingNames,
+        vocoder_rate: int,
+        is_ready: Callable[[], bool],
+        *,
+        instance: str = GATEWAY,
+        socket_dir: str | Path | None = None,
+        signing_key: bytes | None = None,
     ) -> None:
         self.config = config
         self.names = names
+        self.instance = instance
+        self.index = names.gateways.index(instance)
+        self.socket_dir = socket_dir
         self.vocoder_rate = vocoder_rate
         self.is_ready = is_ready
-        self.auth = Authenticator(config.gateway.auth)
+        self.auth = Authenticator(config.gateway.auth, signing_key=signing_key)
         self.metrics = GatewayMetrics()
         self.calls: dict[str, RealtimeSession] = {}
         self.by_session: dict[int, RealtimeSession | Utterance] = {}
         self.link: PipelineLink | None = None
+        self.siblings: Siblings | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # reader thread -> loop
@@ -79,13 +103,27 @@ class Gateway:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """cleanup_ctx: attach to the rings before serving; close every call, then the link."""
         self.loop = asyncio.get_running_loop()
-        self.link = PipelineLink(self.names, self._on_stage_event)
+        self.link = PipelineLink(self.names, self._on_stage_event, self.instance)
+        if self.socket_dir is not None and len(self.names.gateways) > 1:
+            self.siblings = Siblings(self.names, self.instance, self.link.control, self.socket_dir)
+        rings = asyncio.create_task(self._update_ring_metrics()) if MULTIPROCESS else None
         try:
             yield
         finally:
+            if rings is not None:
+                rings.cancel()
             for call in list(self.calls.values()):
                 await call.close("gateway shutting down")
+            if self.siblings is not None:
+                await self.siblings.close()
             self.link.close()
+
+    async def _update_ring_metrics(self) -> None:
+        """With several processes a scrape reaches one of them: each keeps its rings'
+        figures current."""
+        while True:
+            self.update_ring_metrics()
+            await asyncio.sleep(1.0)
 
     def session_config(self) -> SessionConfig:
         """A new session's settings: the configuration's defaults."""
@@ -105,7 +143,7 @@ class Gateway:
         """Admit a new Realtime session; raises SessionsFull, or ProtocolError for settings
         that cannot be used."""
         assert self.link is not None
-        if len(self.calls) >= self.config.gateway.max_calls:
+        if len(self.calls) >= self.config.max_calls_per_process:
             raise SessionsFull(f"{len(self.calls)} calls in progress, the configured maximum")
         config = self.session_config()
         if grant.session is not None:
@@ -114,7 +152,7 @@ class Gateway:
             config.model = model
         session = self.link.open_session()
         call = RealtimeSession(
-            ev.new_id(prefix),
+            call_id(prefix, self.index),
             self.link,
             session,
             self.vocoder_rate,
@@ -281,11 +319,21 @@ async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None]
     return sdp, parsed
 
 
+async def _to_least_loaded(request: web.Request) -> web.Response | None:
+    """A new call for a sibling process with fewer sessions: its answer; None to take it here."""
+    siblings = request.app[GATEWAY_KEY].siblings
+    if siblings is not None and (target := siblings.target_for_new_call(request)):
+        return await siblings.forward(request, target)
+    return None
+
+
 async def realtime_calls(request: web.Request) -> web.Response:
     """POST /v1/realtime/calls: SDP offer in, 201 with the SDP answer and Location out."""
     grant = _authorize(request)
     if isinstance(grant, web.Response):
         return grant
+    if (forwarded := await _to_least_loaded(request)) is not None:
+        return forwarded
     session = None
     if request.content_type == "multipart/form-data":
         form = await _offer_form(request)
@@ -322,6 +370,8 @@ async def offer(request: web.Request) -> web.Response:
     grant = _authorize(request)
     if isinstance(grant, web.Response):
         return grant
+    if (forwarded := await _to_least_loaded(request)) is not None:
+        return forwarded
     if request.content_type != "application/json":
         return openai_error(
             415, "Content-Type must be application/json", code="unsupported_media_type"
@@ -352,6 +402,11 @@ async def hang_up(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
     call = gateway.calls.get(request.match_info["call_id"])
     if call is None:
+        holder = gateway.siblings and gateway.siblings.holder_of_call(
+            request.match_info["call_id"], request
+        )
+        if holder:
+            return await gateway.siblings.forward(request, holder)
         return openai_error(404, "no such call", code="not_found")
     await call.close("hung up by the client")
     return web.Response(status=204 if request.method == "DELETE" else 200)
@@ -428,7 +483,10 @@ async def client_secrets(request: web.Request) -> web.Response:
         return openai_error(400, f"invalid JSON: {exc}", code="invalid_json")
     except ProtocolError as exc:
         return _refused(exc)
-    secret = gateway.auth.mint(session, ttl)
+    try:
+        secret = gateway.auth.mint(session, ttl)
+    except ValueError as exc:
+        return openai_error(400, str(exc), code="session_too_large", param="session")
     return web.json_response(
         {
             "value": secret.value,
@@ -471,7 +529,11 @@ async def health(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
     ready = gateway.is_ready()
     return web.json_response(
-        {"status": "ready" if ready else "starting", "calls": len(gateway.calls)},
+        {
+            "status": "ready" if ready else "starting",
+            "calls": len(gateway.calls),
+            "process": gateway.instance,
+        },
         status=200 if ready else 503,
     )
 
@@ -479,15 +541,26 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
     gateway.update_ring_metrics()
-    body = generate_latest(gateway.metrics.registry)
+    if MULTIPROCESS:  # every gateway process's figures, summed
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        body = generate_latest(registry)
+    else:
+        body = generate_latest(gateway.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def create_app(
-    config: OmniConfig, names: RingNames, vocoder_rate: int, is_ready: Callable[[], bool]
+    config: OmniConfig,
+    names: RingNames,
+    vocoder_rate: int,
+    is_ready: Callable[[], bool],
+    **process: Any,
 ) -> web.Application:
+    """The app of one gateway process; `process`: Gateway's instance, socket_dir and
+    signing_key, for a service of several."""
     app = web.Application(client_max_size=MAX_SDP_BYTES)
-    gateway = Gateway(config, names, vocoder_rate, is_ready)
+    gateway = Gateway(config, names, vocoder_rate, is_ready, **process)
     gateway.auth.announce(f"http://{config.gateway.host}:{config.gateway.port}")
     app[GATEWAY_KEY] = gateway
     app.cleanup_ctx.append(gateway.lifecycle)

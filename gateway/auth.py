@@ -4,16 +4,22 @@ A request carries `Authorization: Bearer <key>`; a browser's WebSocket, which ca
 headers, offers the key as a subprotocol `openai-insecure-api-key.<key>`. Keys are the
 configured API keys, or `ek_` secrets minted by POST /v1/realtime/client_secrets: short-lived,
 usable for new sessions until they expire, each carrying the session configuration it was
-minted with. Secrets live in this process's memory (a restart revokes them all).
+minted with. A secret is its own record, signed (HMAC-SHA256) with a key made at start-up and
+shared by the service's gateway processes: any of them accepts what another minted, nothing is
+stored, and a restart revokes them all.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
 import time
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +31,8 @@ from gateway.config import AuthConfig
 logger = logging.getLogger(__name__)
 
 SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
-MAX_SECRETS = 100_000  # live secrets held at once; beyond it minting is refused
+# a secret travels in a header (aiohttp takes fields up to 8 KiB): this leaves room for the rest
+MAX_SECRET_CHARS = 6000
 
 
 class AuthError(Exception):
@@ -52,14 +59,21 @@ class ClientSecret:
 
 
 class Authenticator:
-    def __init__(self, config: AuthConfig, environ: Mapping[str, str] = os.environ) -> None:
+    def __init__(
+        self,
+        config: AuthConfig,
+        environ: Mapping[str, str] = os.environ,
+        signing_key: bytes | None = None,
+    ) -> None:
+        """`signing_key`: signs client secrets; the gateway processes of one service share
+        it (by default a fresh one: secrets from before a restart are refused)."""
         self.enabled = config.enabled
+        self.signing_key = signing_key or secrets.token_bytes(32)
         self.default_ttl_s = config.client_secret_ttl_s
         keys = list(config.api_keys)
         if config.api_keys_env and environ.get(config.api_keys_env):
             keys += [k.strip() for k in environ[config.api_keys_env].split(",") if k.strip()]
         self._keys = [k.encode() for k in keys]
-        self._secrets: dict[str, ClientSecret] = {}
         if self.enabled and not self._keys:
             env = f" or in ${config.api_keys_env}" if config.api_keys_env else ""
             raise ValueError(
@@ -91,11 +105,8 @@ class Authenticator:
         if key.startswith("ek_"):
             if not allow_ephemeral:
                 raise AuthError("a client secret cannot mint client secrets: use an API key")
-            secret = self._secrets.get(key)
-            if secret is None:
-                raise AuthError("unknown client secret")
+            secret = self._unseal(key)
             if secret.expires_at <= time.time():
-                del self._secrets[key]
                 raise AuthError("the client secret has expired", code="expired_api_key")
             return Grant(ephemeral=True, session=secret.session)
         encoded = key.encode()
@@ -119,13 +130,31 @@ class Authenticator:
     # -- minting ---------------------------------------------------------------------------
 
     def mint(self, session: dict[str, Any], ttl_s: int | None = None) -> ClientSecret:
-        now = time.time()
-        for value in [v for v, s in self._secrets.items() if s.expires_at <= now]:
-            del self._secrets[value]
-        if len(self._secrets) >= MAX_SECRETS:
-            raise RuntimeError(f"{MAX_SECRETS} client secrets are live; try again later")
-        secret = ClientSecret(
-            f"ek_{secrets.token_urlsafe(24)}", int(now) + (ttl_s or self.default_ttl_s), session
+        """A secret for new sessions with `session` settings; ValueError if the settings are
+        too large to travel in a header."""
+        expires_at = int(time.time()) + (ttl_s or self.default_ttl_s)
+        record = json.dumps({"exp": expires_at, "session": session}, separators=(",", ":"))
+        body = _b64(zlib.compress(record.encode()))
+        value = f"ek_{body}.{self._sign(body)}"
+        if len(value) > MAX_SECRET_CHARS:
+            raise ValueError(
+                f"the session settings are too large for a client secret ({len(value)} "
+                f"characters signed, at most {MAX_SECRET_CHARS}): send them with session.update"
+            )
+        return ClientSecret(value, expires_at, session)
+
+    def _sign(self, body: str) -> str:
+        return _b64(hmac.new(self.signing_key, body.encode(), hashlib.sha256).digest())
+
+    def _unseal(self, value: str) -> ClientSecret:
+        body, _, signature = value[3:].partition(".")
+        if not hmac.compare_digest(signature.encode(), self._sign(body).encode()):
+            raise AuthError("invalid client secret")
+        record = json.loads(
+            zlib.decompress(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
         )
-        self._secrets[secret.value] = secret
-        return secret
+        return ClientSecret(value, int(record["exp"]), record["session"])
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()

@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
+import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -77,18 +79,33 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from gateway.auth import Authenticator
     from gateway.config import load_config
+
+    config = load_config(args.config, _overrides(args))
+    if config.gateway.processes == 1:
+        return _start(args, config)
+    # several gateway processes: their metrics meet in files, which prometheus_client must
+    # be told of before it is first imported, here and in the processes spawned
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError("prometheus_client was imported before the metrics folder was set")
+    with tempfile.TemporaryDirectory(prefix="omni-gateway-metrics-") as metrics_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        return _start(args, config)
+
+
+def _start(args: argparse.Namespace, config: Any) -> int:
+    from gateway.auth import Authenticator
     from gateway.opus import opuslib
     from gateway.server import serve
     from stages.supervisor import Supervisor
 
-    config = load_config(args.config, _overrides(args))
     # say what is missing before the slow part: no API key with auth on, no libopus
     Authenticator(config.gateway.auth)
     if config.gateway.opus == "opuslib":
         opuslib()
-    supervisor = Supervisor(config, log_level=logging.getLogger().level)
+    supervisor = Supervisor(
+        config, log_level=logging.getLogger().level, gateways=config.gateway.processes
+    )
     try:
         _progress(f"starting stages from {args.config}")
         supervisor.start(progress=_progress)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from stages.config import PipelineConfig, Strict
 
@@ -42,7 +42,19 @@ class AuthConfig(Strict):
 class GatewayConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    max_calls: int = Field(32, ge=1, description="beyond it, new calls get 503 + Retry-After")
+    max_calls: int = Field(
+        32,
+        ge=1,
+        description="calls the whole service takes (split evenly over the processes); "
+        "beyond it, new calls get 503 + Retry-After",
+    )
+    processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="gateway processes sharing the port (SO_REUSEPORT) and the stage workers; "
+        "one core's worth of calls each",
+    )
     ice_servers: list[str] = Field(default_factory=list, description="stun:/turn: URLs")
     ice_host_addresses: list[str] | None = Field(
         None,
@@ -69,6 +81,20 @@ class OmniConfig(PipelineConfig):
     """A whole deployment, as written in configs/*.yaml."""
 
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+
+    @model_validator(mode="after")
+    def _sessions_for_every_process(self) -> OmniConfig:
+        if self.max_sessions < self.gateway.processes:
+            raise ValueError(
+                f"max_sessions ({self.max_sessions}) is less than gateway.processes "
+                f"({self.gateway.processes}): every process needs session ids"
+            )
+        return self
+
+    @property
+    def max_calls_per_process(self) -> int:
+        """Each gateway process's share of gateway.max_calls (rounded up)."""
+        return -(-self.gateway.max_calls // self.gateway.processes)
 
 
 class ConfigError(ValueError):

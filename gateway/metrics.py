@@ -1,4 +1,8 @@
-"""Prometheus metrics of one gateway process."""
+"""Prometheus metrics of one gateway process.
+
+With several gateway processes (prometheus_client's multiprocess mode) counters and histograms
+add up over them; gauges say how to: sessions add up, each ring belongs to one process.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +32,9 @@ LATENCY_BUCKETS = (
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.sessions = Gauge("omni_sessions", "Calls in progress", registry=r)
+        self.sessions = Gauge(
+            "omni_sessions", "Calls in progress", registry=r, multiprocess_mode="livesum"
+        )
         self.sessions_refused = Counter(
             "omni_sessions_refused", "Calls refused at admission", registry=r
         )
@@ -56,19 +62,31 @@ class GatewayMetrics:
             "omni_vad_events", "Speech starts and stops", ["event"], registry=r
         )
         self.ring_bytes_used = Gauge(
-            "omni_ring_bytes_used", "Bytes queued in a ring", ["ring"], registry=r
+            "omni_ring_bytes_used",
+            "Bytes queued in a ring",
+            ["ring"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.ring_full = Gauge(
-            "omni_ring_full_total", "Pushes refused by a full ring", ["ring"], registry=r
+            "omni_ring_full_total",
+            "Pushes refused by a full ring",
+            ["ring"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.ring_skipped = Gauge(
             "omni_ring_skipped_total",
             "Records dropped as stale (cancelled epochs)",
             ["ring"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.kv_usage = Gauge(
-            "omni_vllm_kv_usage", "vLLM KV-cache usage at the last cancel ack", registry=r
+            "omni_vllm_kv_usage",
+            "vLLM KV-cache usage at the last cancel ack",
+            registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.stage_errors = Counter(
             "omni_stage_errors", "ERROR records from stages", ["stage"], registry=r

@@ -1,10 +1,19 @@
-"""Serving the gateway next to a running supervisor (what `omni-gateway start` runs)."""
+"""Serving the gateway next to a running supervisor (what `omni-gateway start` runs): in this
+process, and with `gateway.processes` > 1 in more processes on the same port (gateway.pool)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import secrets
 import signal
+import sys
+import tempfile
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
 
 from aiohttp import web
 
@@ -13,7 +22,14 @@ from gateway.app import create_app
 from gateway.config import OmniConfig
 from gateway.ice import restrict_host_addresses
 from gateway.page import add_page_routes
+from gateway.pool import GatewayPool, GatewayProcessSpec
+from gateway.siblings import socket_path
+from stages.rings import GATEWAY
 from stages.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 0.5  # how often a gateway process checks that `omni-gateway start` lives
 
 
 def prepare_media(config: OmniConfig) -> None:
@@ -22,9 +38,14 @@ def prepare_media(config: OmniConfig) -> None:
     restrict_host_addresses(config.gateway.ice_host_addresses)
 
 
-def build_app(config: OmniConfig, supervisor: Supervisor) -> web.Application:
-    rate = int(supervisor.stages["vocoder"].info["sample_rate"])
-    app = create_app(config, supervisor.names, rate, lambda: supervisor.healthy)
+def vocoder_rate(supervisor: Supervisor) -> int:
+    return int(supervisor.stages["vocoder"].info["sample_rate"])
+
+
+def build_app(config: OmniConfig, supervisor: Supervisor, **process: Any) -> web.Application:
+    app = create_app(
+        config, supervisor.names, vocoder_rate(supervisor), lambda: supervisor.healthy, **process
+    )
     add_page_routes(app)  # the demo page at /
     return app
 
@@ -32,22 +53,101 @@ def build_app(config: OmniConfig, supervisor: Supervisor) -> web.Application:
 async def serve(
     config: OmniConfig, supervisor: Supervisor, progress: Callable[[str], None]
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then close every call."""
+    """Serve until SIGINT or SIGTERM, then close every call (and stop the other gateway
+    processes)."""
     prepare_media(config)
-    runner = web.AppRunner(build_app(config, supervisor), handle_signals=False)
+    processes = config.gateway.processes
+    signing_key = secrets.token_bytes(32)
+    with tempfile.TemporaryDirectory(prefix="omni-gateway-") as socket_dir:
+        app = build_app(
+            config, supervisor, instance=GATEWAY, socket_dir=socket_dir, signing_key=signing_key
+        )
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        pool = None
+        try:
+            host = config.gateway.host
+            await web.TCPSite(runner, host, config.gateway.port, reuse_port=processes > 1).start()
+            port = runner.addresses[0][1]  # the one bound, when the config says 0
+            if processes > 1:
+                await web.UnixSite(runner, str(socket_path(socket_dir, GATEWAY))).start()
+                bound = config.model_copy(
+                    update={"gateway": config.gateway.model_copy(update={"port": port})}
+                )
+
+                def spec_for(instance: str) -> GatewayProcessSpec:
+                    return GatewayProcessSpec(
+                        instance,
+                        bound.model_dump(),
+                        supervisor.names,
+                        vocoder_rate(supervisor),
+                        socket_dir,
+                        signing_key,
+                        logging.getLogger().level,
+                    )
+
+                pool = GatewayPool(supervisor, spec_for, progress)
+                await loop.run_in_executor(None, pool.start)
+            progress(
+                f"gateway listening on http://{host}:{port}"
+                + (f" ({processes} processes)" if processes > 1 else "")
+                + " (Ctrl-C stops)"
+            )
+            await stop.wait()
+            progress("stopping")
+        finally:
+            if pool is not None:
+                await loop.run_in_executor(None, pool.stop)
+            await runner.cleanup()
+
+
+def gateway_process_main(spec: GatewayProcessSpec, ready: Any, conn: Connection) -> None:
+    """Entry point of a gateway process after the first: serve until SIGTERM (or until
+    `omni-gateway start` is gone)."""
+    logging.basicConfig(
+        level=spec.log_level,
+        format=f"%(asctime)s {spec.instance} %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    # Ctrl-C reaches the whole process group; the first process stops this one with SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = OmniConfig.model_validate(spec.config)
+    asyncio.run(_serve_process(spec, config, lambda: bool(ready.value), conn))
+
+
+async def _serve_process(
+    spec: GatewayProcessSpec, config: OmniConfig, is_ready: Callable[[], bool], conn: Connection
+) -> None:
+    prepare_media(config)
+    app = create_app(
+        config,
+        spec.names,
+        spec.vocoder_rate,
+        is_ready,
+        instance=spec.instance,
+        socket_dir=spec.socket_dir,
+        signing_key=spec.signing_key,
+    )
+    add_page_routes(app)
+    runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    parent = os.getppid()
     try:
-        site = web.TCPSite(runner, config.gateway.host, config.gateway.port)
-        await site.start()
-        progress(
-            f"gateway listening on http://{config.gateway.host}:{config.gateway.port}"
-            " (Ctrl-C stops)"
-        )
-        await stop.wait()
-        progress("stopping")
+        host, port = config.gateway.host, config.gateway.port
+        await web.TCPSite(runner, host, port, reuse_port=True).start()
+        await web.UnixSite(runner, str(socket_path(spec.socket_dir, spec.instance))).start()
+        conn.send({"pid": os.getpid()})
+        conn.close()
+        # killed outright, `omni-gateway start` cannot stop us: notice being re-parented
+        while not stop.is_set() and os.getppid() == parent:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), PARENT_CHECK_S)
     finally:
         await runner.cleanup()

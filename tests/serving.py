@@ -1,12 +1,14 @@
 """Serving apps to tests on 127.0.0.1 with an ephemeral port; the gateway as the end-to-end
 tests serve it: `build_app` (signaling, health, metrics, the demo page) next to a running
-supervisor."""
+supervisor; and reading its /metrics."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 from aiohttp import web
 
 from gateway import aiortc_tuning
@@ -43,3 +45,12 @@ async def serving_gateway(
     finally:
         aiortc_tuning.restore()
         restrict_host_addresses(None)
+
+
+async def metric(base: str, name: str) -> float:
+    """A sample without labels from the gateway's /metrics at `base`."""
+    async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as r:
+        text = await r.text()
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert found, f"{name} not in /metrics"
+    return float(found.group(1))

@@ -91,6 +91,7 @@ def test_shipped_configs_are_valid(name: str) -> None:
         ({"gateway__port": 70000}, "gateway.port: Input should be less than or equal to 65535"),
         ({"encoder__backend": "vosk"}, "encoder.backend: Input should be 'pocketsphinx'"),
         ({"vocoder__backend": "speecht5"}, "needs `model` and `vocoder`"),
+        ({"gateway__processes": 40, "max_sessions": 32}, "every process needs session ids"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, changes: dict, expected: str) -> None:

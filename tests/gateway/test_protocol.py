@@ -3,6 +3,8 @@ set, what is refused by name, and keys that expire."""
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 
 from gateway import auth as auth_mod
@@ -157,6 +159,31 @@ def test_keys_secrets_and_expiry(monkeypatch) -> None:
     with pytest.raises(AuthError) as err:
         auth.check(FakeRequest({"Authorization": f"Bearer {secret.value}"}))
     assert err.value.code == "expired_api_key"
+
+
+def test_secrets_are_signed_for_every_process_of_the_service() -> None:
+    key = b"k" * 32
+    minting = Authenticator(AuthConfig(api_keys=["sk-a"]), environ={}, signing_key=key)
+    other_process = Authenticator(AuthConfig(api_keys=["sk-a"]), environ={}, signing_key=key)
+    restarted = Authenticator(AuthConfig(api_keys=["sk-a"]), environ={})
+    secret = minting.mint({"type": "realtime", "instructions": "terse"}, ttl_s=60)
+
+    def bearer(value: str) -> FakeRequest:
+        return FakeRequest({"Authorization": f"Bearer {value}"})
+
+    assert other_process.check(bearer(secret.value)).session == {
+        "type": "realtime",
+        "instructions": "terse",
+    }
+    with pytest.raises(AuthError, match="invalid client secret"):
+        restarted.check(bearer(secret.value))
+    signature = secret.value.partition(".")[2]
+    with pytest.raises(AuthError, match="invalid client secret"):  # settings changed
+        other_process.check(
+            bearer(minting.mint({"instructions": "x"}).value.partition(".")[0] + "." + signature)
+        )
+    with pytest.raises(ValueError, match="too large"):
+        minting.mint({"instructions": secrets.token_hex(8000)})
 
 
 def test_auth_on_without_keys_is_a_clear_start_up_error() -> None:

@@ -27,7 +27,7 @@ from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 from gateway.app import gateway_of
 from gateway.config import load_config
 from gateway.page import add_page_routes
-from tests.serving import serving
+from tests.serving import metric, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
@@ -148,14 +148,6 @@ async def audio_in(page: Page) -> dict:
             };
         }"""
     )
-
-
-async def metric(base: str, name: str) -> float:
-    async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as r:
-        text = await r.text()
-    found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert found, f"{name} not in /metrics"
-    return float(found.group(1))
 
 
 async def test_call_transcripts_audio_barge_in_and_hang_up(server, page, tmp_path) -> None:

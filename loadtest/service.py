@@ -1,0 +1,91 @@
+"""`omni-gateway start` run as a user runs it, for benchmarks and tests: its own process group,
+its log read as it comes, stopped with Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+CLI = [sys.executable, "-m", "gateway.cli"]
+
+
+class Service:
+    """`omni-gateway start --config CONFIG --port 0`; `wait_for` reads its log."""
+
+    def __init__(self, config: Path, *, echo: bool = False) -> None:
+        self.echo = echo
+        self.proc = subprocess.Popen(
+            [*CLI, "start", "--config", str(config), "--port", "0"],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.seen: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.put(line)
+            if self.echo and line.startswith("omni-gateway:"):
+                print(line, end="", file=sys.stderr, flush=True)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first log line from now on that matches `pattern`; TimeoutError (with the
+        last lines of the log) when none does within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if match := re.search(pattern, line):
+                return match
+        tail = "".join(self.seen[-30:])
+        raise TimeoutError(f"no log line matching {pattern!r} in {timeout:.0f} s:\n{tail}")
+
+    def started(self, timeout: float = 600) -> tuple[str, dict[str, int]]:
+        """Wait until it serves: (base URL, pid of each gateway process). The first process
+        ('gateway') also runs the supervisor."""
+        pids = {"gateway": self.proc.pid}
+        while True:
+            match = self.wait_for(
+                r"(gateway\.\d+) listening \(pid (\d+)\)|gateway listening on (http://[0-9.:]+)",
+                timeout,
+            )
+            if match[3]:
+                return match[3], pids
+            pids[match[1]] = int(match[2])
+
+    def stop(self, timeout: float = 60) -> int:
+        """Ctrl-C; its exit code."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """Kill the whole group if it still runs; close the log."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._reader.join(10)  # the log ends with the process
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
