@@ -1,0 +1,244 @@
+"""Gateway processes against concurrency: sessions per core, and where each count saturates.
+
+For each count of gateway processes (`--processes 1,2`) it starts `omni-gateway start` on the
+config with `gateway.processes` set, as a user runs it, and puts each load of conversing
+WebRTC callers (`--loads`, from processes of their own) on it. Per load: turn latency (the
+caller's end of speech to the first agent audio it hears) p50/p95, barge-in at the caller p95,
+turns answered, the audio gaps the callers heard, and the CPU of the gateway processes (the
+first one also runs the supervisor's threads; the stages are not counted). A count carries a
+load when every turn is answered, no caller heard a gap over 60 ms and the turn p95 is within
+twice that of the lightest load; the report gives the largest such load of each count and the
+sessions per gateway core there. Prints JSON and a table, and states the machine.
+
+    python -m loadtest.gateway_scaling --processes 1,2 --loads 4,8,12 --turns 3
+
+On a GPU machine, `--layout one` runs loadtest.gpu_run's layout instead of a config file, on
+the random-weight models of real shapes it builds (or finds) in `--models-root`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import copy
+import datetime
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadtest.gpu_run import log, run_callers, summary
+from loadtest.report import Processes, gap_figures, machine, spoken_questions
+from loadtest.service import Service
+
+CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
+GAP_MS = 60.0
+
+
+def config_for(data: dict[str, Any], processes: int, max_calls: int, out: Path) -> Path:
+    """A config file: `data` with `processes` gateway processes taking `max_calls` calls."""
+    data = copy.deepcopy(data)
+    gateway = data.setdefault("gateway", {})
+    gateway |= {"processes": processes, "max_calls": max_calls}
+    data["max_sessions"] = max(data.get("max_sessions", 64), max_calls + 2 * processes)
+    path = out / f"config-{processes}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def load_figures(
+    reports: list[dict[str, Any]], cpu_s: dict[str, float], wall_s: float, silence_ms: int
+) -> dict[str, Any]:
+    turns = [t for r in reports for t in r["turns"]]
+    answered = [t for t in turns if t.get("first_audio") is not None]
+    admitted = [r for r in reports if r.get("call_id")]
+    gaps = gap_figures([r.get("arrivals", []) for r in admitted])
+    gateway_cpu = sum(cpu_s.values())
+    turn_ms = [(t["first_audio"] - t["end_of_speech"]) * 1000 for t in answered]
+    return {
+        "callers": len(reports),
+        "admitted": len(admitted),
+        "turns_asked": len(turns),
+        "turns_answered": len(answered),
+        "errors": [r["error"] for r in reports if r.get("error")],
+        "turn_ms": summary(turn_ms, 50, 95),
+        "turn_beyond_vad_window_ms": summary([x - silence_ms for x in turn_ms], 50, 95),
+        "barge_in_ms": summary(
+            [
+                (t["agent_stopped"] - t["onset"]) * 1000
+                for t in turns
+                if t.get("agent_stopped") is not None
+            ],
+            50,
+            95,
+        ),
+        "gaps_at_callers": gaps,
+        "gateway_cpu_cores": round(gateway_cpu / wall_s, 3),
+        "gateway_cpu_cores_by_process": {k: round(v / wall_s, 3) for k, v in cpu_s.items()},
+        "gateway_cpu_pct_of_a_core_per_session": round(
+            100 * gateway_cpu / wall_s / max(1, len(admitted)), 2
+        ),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def carries(figures: dict[str, Any], base_p95: float | None) -> bool:
+    """Every turn answered, no gap over 60 ms heard, turn p95 within twice the lightest's."""
+    p95 = figures["turn_ms"]["p95"]
+    worst = figures["gaps_at_callers"]["worst_interval_ms"]["max"]
+    return (
+        figures["turns_answered"] == figures["turns_asked"] > 0
+        and worst is not None
+        and worst - 20 <= GAP_MS  # the interval less the frame itself
+        and (base_p95 is None or p95 is None or p95 <= 2 * base_p95)
+    )
+
+
+async def measure(
+    service: Service, opus: str, silence_ms: int, clips: list[Any], args: Any
+) -> dict[str, Any]:
+    base, pids = await asyncio.to_thread(service.started, 900)
+    procs = Processes(pids, alone=frozenset(pids))
+    log(f"serving at {base} with {len(pids)} gateway process(es)")
+    log("warm-up: one caller, two turns (not counted)")
+    await run_callers(base, 1, clips, 2, opus, args.per_process)
+    loads: dict[str, Any] = {}
+    for n in args.loads:
+        log(f"{n} caller(s), {args.turns} turns each")
+        cpu0, t0 = procs.cpu_s(), time.monotonic()
+        reports = await run_callers(base, n, clips, args.turns, opus, args.per_process)
+        cpu1, wall = procs.cpu_s(), time.monotonic() - t0
+        figures = load_figures(reports, {k: cpu1[k] - cpu0[k] for k in cpu0}, wall, silence_ms)
+        loads[str(n)] = figures
+        log(
+            f"{n} callers: turn {figures['turn_ms']}, answered "
+            f"{figures['turns_answered']}/{figures['turns_asked']}, worst gap "
+            f"{figures['gaps_at_callers']['worst_interval_ms']}, gateway CPU "
+            f"{figures['gateway_cpu_cores']} cores"
+        )
+    ordered = sorted(loads.items(), key=lambda kv: int(kv[0]))
+    base_p95 = ordered[0][1]["turn_ms"]["p95"] if ordered else None
+    carried = [int(n) for n, f in ordered if carries(f, base_p95)]
+    best = max(carried, default=None)
+    cores = loads[str(best)]["gateway_cpu_cores"] if best else None
+    return {
+        "loads": loads,
+        "largest_load_carried": best,
+        "gateway_cpu_cores_there": cores,
+        "sessions_per_gateway_core": round(best / cores, 1) if best and cores else None,
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = [
+        "| processes | callers | turns | turn p50/p95 ms | beyond the VAD window p95 | "
+        "barge-in p95 ms | worst gap ms (p95/max) | gateway CPU (cores) | "
+        "CPU % of a core per session |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def f(x: Any) -> str:
+        return "-" if x is None else f"{x:.0f}"
+
+    for count, run in results["runs"].items():
+        for n, fig in run.get("loads", {}).items():
+            gap = fig["gaps_at_callers"]["worst_interval_ms"]
+            rows.append(
+                f"| {count} | {n} | {fig['turns_answered']}/{fig['turns_asked']} | "
+                f"{f(fig['turn_ms']['p50'])}/{f(fig['turn_ms']['p95'])} | "
+                f"{f(fig['turn_beyond_vad_window_ms']['p95'])} | "
+                f"{f(fig['barge_in_ms']['p95'])} | {f(gap['p95'])}/{f(gap['max'])} | "
+                f"{fig['gateway_cpu_cores']:.2f} | "
+                f"{fig['gateway_cpu_pct_of_a_core_per_session']:.1f} |"
+            )
+    rows.append("")
+    for count, run in results["runs"].items():
+        rows.append(
+            f"{count} process(es): carried {run.get('largest_load_carried')} callers "
+            f"({run.get('sessions_per_gateway_core')} sessions per gateway core)"
+            + (f"; error: {run['error']}" if "error" in run else "")
+        )
+    return "\n".join(rows)
+
+
+def base_config(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The configuration every count runs on, and what to say of it in the results."""
+    from gateway.config import load_config
+
+    if not args.layout:
+        return load_config(args.config), str(args.config)
+    from loadtest.gpu_models import describe, ensure_models
+    from loadtest.gpu_run import layout_config
+    from stages.placement import count_gpus
+
+    # built in a process of its own, so the CUDA memory the build used is given back
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        preset = "real" if args.device == "cuda" else "tiny"
+        models = pool.submit(ensure_models, args.models_root, args.device, preset).result()
+    gpus = count_gpus() if args.device == "cuda" else 0
+    config, notes = layout_config(args.layout, models, gpus, args.device)
+    described = {
+        "layout": args.layout,
+        "notes": notes,
+        "models": describe(models),
+        "random_weights": "every model has random weights of a real shape: timings, not quality",
+    }
+    return config, described
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--layout", help="a loadtest.gpu_run layout (one, tp2) instead")
+    parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="--layout's")
+    parser.add_argument("--processes", type=ints, default=[1, 2])
+    parser.add_argument("--loads", type=ints, default=[4, 8, 12])
+    parser.add_argument("--turns", type=int, default=3, help="turns per caller")
+    parser.add_argument("--per-process", type=int, default=4, help="callers per process")
+    parser.add_argument("--out", type=Path, default=Path("out/gateway-scaling"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    config, described = base_config(args)
+    opus, silence_ms = config.gateway.opus, config.gateway.turn_detection.silence_duration_ms
+    results: dict[str, Any] = {
+        "benchmark": "gateway_scaling",
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m loadtest.gateway_scaling " + " ".join(argv or sys.argv[1:]),
+        "machine": machine(),
+        "config": described,
+        "runs": {},
+    }
+    log(f"machine: {results['machine']['summary']}")
+    clips = spoken_questions()
+    max_calls = 2 * max(args.loads)  # room for calls of the last load still closing
+    for count in args.processes:
+        path = config_for(config.model_dump(mode="json"), count, max_calls, args.out)
+        with Service(path, echo=True) as service:
+            try:
+                results["runs"][str(count)] = asyncio.run(
+                    measure(service, opus, silence_ms, clips, args)
+                )
+            except Exception as exc:  # the other counts still run; the failure is reported
+                log(f"{count} process(es) failed: {type(exc).__name__}: {exc}")
+                results["runs"][str(count)] = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                if service.proc.poll() is None:
+                    service.stop()
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    text = table(results)
+    (args.out / "table.md").write_text(text + "\n")
+    print(json.dumps(results, default=str))
+    print(f"machine: {results['machine']['summary']}")
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The gateway-scaling benchmark's figures from the callers' reports."""
+
+from __future__ import annotations
+
+from loadtest.gateway_scaling import carries, load_figures
+
+
+def report(end_of_speech: float, first_audio: float | None, arrivals: list[float]) -> dict:
+    turn = {"onset": end_of_speech - 1.0, "end_of_speech": end_of_speech}
+    turn["first_audio"] = first_audio
+    return {"call_id": "rtc_g0_x", "turns": [turn], "error": None, "arrivals": arrivals}
+
+
+def test_a_load_is_carried_only_when_answered_in_time_without_gaps() -> None:
+    steady = [i * 0.02 for i in range(100)]
+    light = load_figures([report(1.0, 1.6, steady)], {"gateway": 0.5}, 10.0, 500)
+    assert light["turn_ms"]["p50"] == 600.0
+    assert light["turn_beyond_vad_window_ms"]["p50"] == 100.0
+    assert light["gateway_cpu_pct_of_a_core_per_session"] == 5.0
+    assert carries(light, None)
+
+    gap = [*steady, steady[-1] + 0.1]  # one 100 ms interval: a gap of 80 ms
+    assert not carries(load_figures([report(1.0, 1.6, gap)], {"gateway": 1}, 10, 500), None)
+    slow = load_figures([report(1.0, 2.9, steady)], {"gateway": 1}, 10, 500)
+    assert not carries(slow, base_p95=600.0)  # over twice the lightest load's p95
+    unanswered = load_figures([report(1.0, None, steady)], {"gateway": 1}, 10, 500)
+    assert not carries(unanswered, None)
