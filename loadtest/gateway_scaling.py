@@ -25,6 +25,7 @@ import copy
 import datetime
 import json
 import multiprocessing as mp
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from loadtest.gpu_run import log, run_callers, summary
+from loadtest.gpu_run import caller_speech, log, run_callers, summary
 from loadtest.report import Processes, gap_figures, machine, spoken_questions
 from loadtest.service import Service
 
@@ -216,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {},
     }
     log(f"machine: {results['machine']['summary']}")
-    clips = spoken_questions()
+    # the GPU machine has espeak-ng's library (its wheel) but not its program
+    clips = spoken_questions() if shutil.which("espeak-ng") else [caller_speech()]
     max_calls = 2 * max(args.loads)  # room for calls of the last load still closing
     for count in args.processes:
         path = config_for(config.model_dump(mode="json"), count, max_calls, args.out)
