@@ -29,6 +29,9 @@ LATENCY_BUCKETS = (
 )
 
 
+FRAME_INTERVAL_BUCKETS = (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -55,6 +58,14 @@ class GatewayMetrics:
             "CANCEL to each stage's acknowledgement",
             ["stage"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.frame_interval = Histogram(
+            "omni_audio_frame_interval_seconds",
+            "Time between a call's consecutive 20 ms frames: caller audio received (in), agent "
+            "audio sent (out); an interval over 0.08 s is a gap of over 60 ms",
+            ["direction"],
+            buckets=FRAME_INTERVAL_BUCKETS,
             registry=r,
         )
         self.barge_ins = Counter("omni_barge_ins", "Agent replies cut by the caller", registry=r)

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import fractions
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -36,7 +37,9 @@ class PlayoutTrack(MediaStreamTrack):
     - `on_stopped()`: the frame that drained the queue went out. A vocoder that falls behind
       drains it too, so the session should report `output_audio_buffer.stopped` only once the
       response is done (or enqueue a mark after the last chunk);
-    - `on_mark(mark)`: the last sample of the chunk enqueued with `mark` went out.
+    - `on_mark(mark)`: the last sample of the chunk enqueued with `mark` went out;
+    - `on_interval(s)`: seconds since the previous frame was handed over (for gap metrics;
+      called before the frame is made).
     `clear()` fires none of them: the caller knows it cleared, and dropped marks are discarded.
     Not thread-safe: enqueue from the event loop (the ring reader threads hop over with
     `loop.call_soon_threadsafe`).
@@ -50,6 +53,7 @@ class PlayoutTrack(MediaStreamTrack):
         on_started: Callable[[], None] | None = None,
         on_stopped: Callable[[], None] | None = None,
         on_mark: Callable[[object], None] | None = None,
+        on_interval: Callable[[float], None] | None = None,
         max_lag_s: float = 0.2,
         rate: int = PLAYOUT_RATE,
     ) -> None:
@@ -57,6 +61,8 @@ class PlayoutTrack(MediaStreamTrack):
         self.on_started = on_started
         self.on_stopped = on_stopped
         self.on_mark = on_mark
+        self.on_interval = on_interval  # seconds since the previous frame went out
+        self._last_sent: float | None = None
         self.max_lag_s = max_lag_s
         self.rate = rate  # 48 kHz for aiortc's own encoder; an Opus rate for opuslib's
         self.frame_samples = rate // 50  # 20 ms
@@ -107,6 +113,11 @@ class PlayoutTrack(MediaStreamTrack):
         if self.readyState != "live":
             raise MediaStreamError
         await self._wait_for_slot()
+        if self.on_interval is not None:
+            now = time.monotonic()
+            if self._last_sent is not None:
+                self.on_interval(now - self._last_sent)
+            self._last_sent = now
         pcm, played, marks = self._take_frame()
         frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = self.rate

@@ -34,8 +34,12 @@ class WebRTCTransport:
         self._pending: list[str] = []
         self.downmixer = Downmixer()
         self.upsampler = Upsampler(session.vocoder_rate, playout_rate)
+        sent = session.metrics.frame_interval.labels("out")
         self.playout = PlayoutTrack(
-            on_started=self._playout_started, on_mark=self._played_mark, rate=playout_rate
+            on_started=self._playout_started,
+            on_mark=self._played_mark,
+            on_interval=sent.observe,
+            rate=playout_rate,
         )
         pc.addTrack(self.playout)
         pc.on("track", self._attach_track)
@@ -82,10 +86,14 @@ class WebRTCTransport:
 
     async def _read_caller_audio(self, track: MediaStreamTrack) -> None:
         session = self.session
+        received = session.metrics.frame_interval.labels("in")
         try:
             while True:
                 frame = await track.recv()
-                session.frame_arrivals.append(time.monotonic())
+                now = time.monotonic()
+                if session.frame_arrivals:
+                    received.observe(now - session.frame_arrivals[-1])
+                session.frame_arrivals.append(now)
                 session.feed_audio(self.downmixer.convert(frame))
         except MediaStreamError:
             await session.close("caller audio ended")

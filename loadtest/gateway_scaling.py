@@ -31,7 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.gpu_run import caller_speech, log, run_callers, summary
 from loadtest.report import Processes, gap_figures, machine, spoken_questions
@@ -39,6 +41,7 @@ from loadtest.service import Service
 
 CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
 GAP_MS = 60.0
+GAP_INTERVAL_S = 0.08  # a 20 ms frame stream's interval over this is a gap over 60 ms
 
 
 def config_for(data: dict[str, Any], processes: int, max_calls: int, out: Path) -> Path:
@@ -89,15 +92,50 @@ def load_figures(
 
 
 def carries(figures: dict[str, Any], base_p95: float | None) -> bool:
-    """Every turn answered, no gap over 60 ms heard, turn p95 within twice the lightest's."""
+    """Every turn answered, no gap over 60 ms heard by a caller or received by the gateway,
+    turn p95 within twice the lightest load's."""
     p95 = figures["turn_ms"]["p95"]
     worst = figures["gaps_at_callers"]["worst_interval_ms"]["max"]
+    at_gateway = figures.get("gaps_at_gateway", {}).values()
     return (
-        figures["turns_answered"] == figures["turns_asked"] > 0
+        all(d["over_80ms"] == 0 for d in at_gateway)
+        and figures["turns_answered"] == figures["turns_asked"] > 0
         and worst is not None
         and worst - 20 <= GAP_MS  # the interval less the frame itself
         and (base_p95 is None or p95 is None or p95 <= 2 * base_p95)
     )
+
+
+async def frame_intervals(base: str) -> dict[str, dict[str, float]]:
+    """The gateway's frame-interval counts so far, both ways: all, and those over 80 ms (a gap
+    of over 60 ms), from /metrics (summed over the gateway processes)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as resp:
+        return parse_frame_intervals(await resp.text())
+
+
+def parse_frame_intervals(text: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "omni_audio_frame_interval_seconds":
+            continue
+        for sample in family.samples:
+            counts = out.setdefault(sample.labels.get("direction", "?"), {})
+            if sample.name.endswith("_count"):
+                counts["intervals"] = sample.value
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == GAP_INTERVAL_S:
+                counts["within_80ms"] = sample.value
+    return out
+
+
+def gaps_at_gateway(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Intervals over 80 ms between `before` and `after`, by direction."""
+    out = {}
+    for direction, counts in after.items():
+        was = before.get(direction, {})
+        total = counts.get("intervals", 0) - was.get("intervals", 0)
+        within = counts.get("within_80ms", 0) - was.get("within_80ms", 0)
+        out[direction] = {"intervals": int(total), "over_80ms": int(total - within)}
+    return out
 
 
 async def measure(
@@ -111,15 +149,17 @@ async def measure(
     loads: dict[str, Any] = {}
     for n in args.loads:
         log(f"{n} caller(s), {args.turns} turns each")
-        cpu0, t0 = procs.cpu_s(), time.monotonic()
+        cpu0, t0, frames0 = procs.cpu_s(), time.monotonic(), await frame_intervals(base)
         reports = await run_callers(base, n, clips, args.turns, opus, args.per_process)
         cpu1, wall = procs.cpu_s(), time.monotonic() - t0
         figures = load_figures(reports, {k: cpu1[k] - cpu0[k] for k in cpu0}, wall, silence_ms)
+        figures["gaps_at_gateway"] = gaps_at_gateway(frames0, await frame_intervals(base))
         loads[str(n)] = figures
         log(
             f"{n} callers: turn {figures['turn_ms']}, answered "
             f"{figures['turns_answered']}/{figures['turns_asked']}, worst gap "
-            f"{figures['gaps_at_callers']['worst_interval_ms']}, gateway CPU "
+            f"{figures['gaps_at_callers']['worst_interval_ms']}, at the gateway "
+            f"{figures['gaps_at_gateway']}, gateway CPU "
             f"{figures['gateway_cpu_cores']} cores"
         )
     ordered = sorted(loads.items(), key=lambda kv: int(kv[0]))
@@ -135,12 +175,18 @@ async def measure(
     }
 
 
+def at_gateway(figures: dict[str, Any]) -> str:
+    """'gaps in / gaps out' of the frames the gateway received and sent."""
+    gaps = figures.get("gaps_at_gateway", {})
+    return " / ".join(str(gaps.get(d, {}).get("over_80ms", "-")) for d in ("in", "out"))
+
+
 def table(results: dict[str, Any]) -> str:
     rows = [
         "| processes | callers | turns | turn p50/p95 ms | beyond the VAD window p95 | "
-        "barge-in p95 ms | worst gap ms (p95/max) | gateway CPU (cores) | "
-        "CPU % of a core per session |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "barge-in p95 ms | worst gap heard ms (p95/max) | gaps at the gateway in/out | "
+        "gateway CPU (cores) | CPU % of a core per session |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def f(x: Any) -> str:
@@ -154,6 +200,7 @@ def table(results: dict[str, Any]) -> str:
                 f"{f(fig['turn_ms']['p50'])}/{f(fig['turn_ms']['p95'])} | "
                 f"{f(fig['turn_beyond_vad_window_ms']['p95'])} | "
                 f"{f(fig['barge_in_ms']['p95'])} | {f(gap['p95'])}/{f(gap['max'])} | "
+                f"{at_gateway(fig)} | "
                 f"{fig['gateway_cpu_cores']:.2f} | "
                 f"{fig['gateway_cpu_pct_of_a_core_per_session']:.1f} |"
             )

@@ -95,6 +95,14 @@ async def test_spoken_turn_gets_transcript_and_spoken_reply(server, make_speech)
         assert played_s > 1.0 and len(voiced) * 0.02 > 0.5 * played_s
         heard = call.speaker.pcm().astype(np.float64)
         assert np.sqrt(np.mean(heard[voiced[0] * 960 : (voiced[-1] + 1) * 960] ** 2)) > 300
+
+        # every frame's interval, both ways, is in the metrics (gaps are the ones over 80 ms)
+        registry = gateway_of(app).metrics.registry
+        for direction, frames in (("in", len(session.frame_arrivals)), ("out", len(voiced))):
+            count = registry.get_sample_value(
+                "omni_audio_frame_interval_seconds_count", {"direction": direction}
+            )
+            assert count is not None and count >= frames - 1
     finally:
         await call.close()
 

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from loadtest.gateway_scaling import carries, load_figures
+from prometheus_client import generate_latest
+
+from gateway.metrics import GatewayMetrics
+from loadtest.gateway_scaling import (
+    carries,
+    gaps_at_gateway,
+    load_figures,
+    parse_frame_intervals,
+)
 
 
 def report(end_of_speech: float, first_audio: float | None, arrivals: list[float]) -> dict:
@@ -25,3 +33,21 @@ def test_a_load_is_carried_only_when_answered_in_time_without_gaps() -> None:
     assert not carries(slow, base_p95=600.0)  # over twice the lightest load's p95
     unanswered = load_figures([report(1.0, None, steady)], {"gateway": 1}, 10, 500)
     assert not carries(unanswered, None)
+    light["gaps_at_gateway"] = gaps_at_gateway(
+        {"in": {"intervals": 10, "within_80ms": 10}},
+        {"in": {"intervals": 60, "within_80ms": 59}, "out": {"intervals": 50, "within_80ms": 50}},
+    )
+    assert light["gaps_at_gateway"]["in"] == {"intervals": 50, "over_80ms": 1}
+    assert not carries(light, None)  # a gap in what the gateway received
+
+
+def test_gateway_gaps_are_read_from_its_metrics() -> None:
+    metrics = GatewayMetrics()
+    for interval in (0.02, 0.021, 0.09, 0.5):
+        metrics.frame_interval.labels("in").observe(interval)
+    metrics.frame_interval.labels("out").observe(0.02)
+    counts = parse_frame_intervals(generate_latest(metrics.registry).decode())
+    assert counts == {
+        "in": {"intervals": 4, "within_80ms": 2},
+        "out": {"intervals": 1, "within_80ms": 1},
+    }
