@@ -4,11 +4,13 @@ For each count of gateway processes (`--processes 1,2`) it starts `omni-gateway 
 config with `gateway.processes` set, as a user runs it, and puts each load of conversing
 WebRTC callers (`--loads`, from processes of their own) on it. Per load: turn latency (the
 caller's end of speech to the first agent audio it hears) p50/p95, barge-in at the caller p95,
-turns answered, the audio gaps the callers heard, and the CPU of the gateway processes (the
-first one also runs the supervisor's threads; the stages are not counted). A count carries a
-load when every turn is answered, no caller heard a gap over 60 ms and the turn p95 is within
-twice that of the lightest load; the report gives the largest such load of each count and the
-sessions per gateway core there. Prints JSON and a table, and states the machine.
+turns answered, the audio gaps the callers heard and those the gateway saw (its frame-interval
+metrics, both ways), and the CPU of the gateway processes (the first one also runs the
+supervisor's threads; the stages are not counted). A count carries a load when what the gateway
+sets holds: every turn answered, no gap over 60 ms either way, barge-in p95 within DESIGN.md's
+150 ms. (The turn latency is the stages' and is reported, not judged.) The report gives the
+largest load each count carries and the sessions per gateway core there. Prints JSON and a
+table, and states the machine.
 
     python -m loadtest.gateway_scaling --processes 1,2 --loads 4,8,12 --turns 3
 
@@ -41,6 +43,7 @@ from loadtest.service import Service
 
 CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
 GAP_MS = 60.0
+BARGE_IN_MS = 150.0  # DESIGN.md: the caller's speech onset to the agent's audio stopping
 GAP_INTERVAL_S = 0.08  # a 20 ms frame stream's interval over this is a gap over 60 ms
 
 
@@ -91,18 +94,18 @@ def load_figures(
     }
 
 
-def carries(figures: dict[str, Any], base_p95: float | None) -> bool:
-    """Every turn answered, no gap over 60 ms heard by a caller or received by the gateway,
-    turn p95 within twice the lightest load's."""
-    p95 = figures["turn_ms"]["p95"]
+def carries(figures: dict[str, Any]) -> bool:
+    """Every turn answered, no gap over 60 ms heard by a caller or seen by the gateway either
+    way, barge-in p95 within BARGE_IN_MS."""
     worst = figures["gaps_at_callers"]["worst_interval_ms"]["max"]
     at_gateway = figures.get("gaps_at_gateway", {}).values()
+    barge_in = figures["barge_in_ms"]["p95"]
     return (
         all(d["over_80ms"] == 0 for d in at_gateway)
         and figures["turns_answered"] == figures["turns_asked"] > 0
         and worst is not None
         and worst - 20 <= GAP_MS  # the interval less the frame itself
-        and (base_p95 is None or p95 is None or p95 <= 2 * base_p95)
+        and (barge_in is None or barge_in <= BARGE_IN_MS)
     )
 
 
@@ -162,13 +165,19 @@ async def measure(
             f"{figures['gaps_at_gateway']}, gateway CPU "
             f"{figures['gateway_cpu_cores']} cores"
         )
-    ordered = sorted(loads.items(), key=lambda kv: int(kv[0]))
-    base_p95 = ordered[0][1]["turn_ms"]["p95"] if ordered else None
-    carried = [int(n) for n, f in ordered if carries(f, base_p95)]
-    best = max(carried, default=None)
+    return {"loads": loads, **capacity(loads)}
+
+
+def capacity(loads: dict[str, Any]) -> dict[str, Any]:
+    """The largest load carried below the first one that is not, and the sessions per gateway
+    core there."""
+    best = None
+    for n in sorted(loads, key=int):
+        if not carries(loads[n]):
+            break
+        best = int(n)
     cores = loads[str(best)]["gateway_cpu_cores"] if best else None
     return {
-        "loads": loads,
         "largest_load_carried": best,
         "gateway_cpu_cores_there": cores,
         "sessions_per_gateway_core": round(best / cores, 1) if best and cores else None,
@@ -184,7 +193,7 @@ def at_gateway(figures: dict[str, Any]) -> str:
 def table(results: dict[str, Any]) -> str:
     rows = [
         "| processes | callers | turns | turn p50/p95 ms | beyond the VAD window p95 | "
-        "barge-in p95 ms | worst gap heard ms (p95/max) | gaps at the gateway in/out | "
+        "barge-in p95 ms | worst frame interval heard ms (p95/max) | gaps at the gateway in/out | "
         "gateway CPU (cores) | CPU % of a core per session |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
