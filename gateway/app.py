@@ -159,6 +159,7 @@ class Gateway:
             self.metrics,
             config,
             on_closed=self._forget,
+            hold_on_voice=self.config.gateway.barge_in_hold,
         )
         self.calls[call.call_id] = call
         self.by_session[session] = call

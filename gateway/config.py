@@ -73,6 +73,13 @@ class GatewayConfig(Strict):
         description="Opus for WebRTC media: libopus at the pipeline's rates (16 kHz mono in, "
         "the vocoder's rate out, no resampling), or aiortc's own (48 kHz stereo both ways)",
     )
+    barge_in_hold: bool = Field(
+        True,
+        description="while the agent speaks, silence it from the caller's first voiced frame "
+        "until the VAD decides (onset, 60 ms later) whether they are talking over it: a "
+        "barge-in is heard to stop that much sooner; a false start costs a moment of silence, "
+        "nothing is dropped",
+    )
     turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
 

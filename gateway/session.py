@@ -103,6 +103,10 @@ class Transport(Protocol):
     def clear(self) -> None:
         """Drop every queued sample now (barge-in)."""
 
+    def hold(self, held: bool) -> None:
+        """Pause (True) or go on with (False) the agent's audio, dropping nothing: the caller
+        may be starting to talk over it."""
+
     def heard_samples(self, response: ActiveResponse) -> int:
         """How much of the response's audio (at the vocoder's rate) the caller has heard."""
 
@@ -121,8 +125,12 @@ class RealtimeSession:
         metrics: GatewayMetrics,
         config: SessionConfig,
         on_closed: Callable[[RealtimeSession], None],
+        hold_on_voice: bool = True,
     ) -> None:
+        """`hold_on_voice`: silence the agent from the caller's first voiced frame until the
+        VAD decides whether they are talking over it (GatewayConfig.barge_in_hold)."""
         self.call_id = call_id
+        self.hold_on_voice = hold_on_voice
         self.link = link
         self.session = session
         self.vocoder_rate = vocoder_rate
@@ -221,9 +229,25 @@ class RealtimeSession:
             elif isinstance(vad_event, SpeechStopped):
                 self._speech_stopped(vad_event.audio_end_ms, self._td_create_response())
                 return
+        self._hold_for_barge_in()
         if self.vad.in_speech:
             for chunk in self.chunker.push(frame):
                 self.link.send_audio(self.session, chunk)
+
+    def _hold_for_barge_in(self) -> None:
+        """A barge-in is decided onset_ms after the caller's first voiced frame: the agent
+        goes quiet from that frame on, and plays on, nothing lost, if it was not one."""
+        td = self.config.turn_detection
+        held = (
+            self.hold_on_voice
+            and td is not None
+            and td.interrupt_response
+            and self.response is not None
+            and not self.vad.in_speech
+            and self.vad.voiced_run > 0
+        )
+        if self.transport is not None:
+            self.transport.hold(held)
 
     def _td_create_response(self) -> bool:
         td = self.config.turn_detection

@@ -160,6 +160,11 @@ class TurnDetector:
         return self._frames_fed * FRAME_MS
 
     @property
+    def voiced_run(self) -> int:
+        """Voiced frames in a row up to the last one fed (a turn starts at the onset's)."""
+        return self._voiced_run
+
+    @property
     def noise_floor_dbfs(self) -> float | None:
         """The tracked background level, None before the first frame."""
         return self._noise_floor_dbfs

@@ -109,6 +109,12 @@ class WebRTCTransport:
     def finish(self, response: ActiveResponse) -> None:
         self.playout.enqueue(self.upsampler.flush(), mark=("done", response.response_id))
 
+    def hold(self, held: bool) -> None:
+        if held:
+            self.playout.hold()
+        else:
+            self.playout.resume()
+
     def clear(self) -> None:
         self.playout.clear()
         self.upsampler.reset()

@@ -86,6 +86,9 @@ class WebSocketTransport:
         if self.session.config.output_format == OPUS:
             self.session.opus.reset()
 
+    def hold(self, held: bool) -> None:
+        """The client plays (and holds) the audio it was sent; nothing to pause here."""
+
     def heard_samples(self, response: ActiveResponse) -> int:
         if response.playback_start is None:
             return 0

@@ -14,6 +14,10 @@ table, and states the machine.
 
     python -m loadtest.gateway_scaling --processes 1,2 --loads 4,8,12 --turns 3
 
+`--barge-in-hold both` runs each count with gateway.barge_in_hold off, then on, to measure the
+barge-in it saves (the agent silenced at the caller's first voiced frame instead of at the
+VAD's onset decision).
+
 On a GPU machine, `--layout one` runs loadtest.gpu_run's layout instead of a config file, on
 the random-weight models of real shapes it builds (or finds) in `--models-root`.
 """
@@ -47,13 +51,16 @@ BARGE_IN_MS = 150.0  # DESIGN.md: the caller's speech onset to the agent's audio
 GAP_INTERVAL_S = 0.08  # a 20 ms frame stream's interval over this is a gap over 60 ms
 
 
-def config_for(data: dict[str, Any], processes: int, max_calls: int, out: Path) -> Path:
-    """A config file: `data` with `processes` gateway processes taking `max_calls` calls."""
+def config_for(
+    data: dict[str, Any], processes: int, max_calls: int, out: Path, hold: bool = True
+) -> Path:
+    """A config file: `data` with `processes` gateway processes taking `max_calls` calls, and
+    gateway.barge_in_hold set to `hold`."""
     data = copy.deepcopy(data)
     gateway = data.setdefault("gateway", {})
-    gateway |= {"processes": processes, "max_calls": max_calls}
+    gateway |= {"processes": processes, "max_calls": max_calls, "barge_in_hold": hold}
     data["max_sessions"] = max(data.get("max_sessions", 64), max_calls + 2 * processes)
-    path = out / f"config-{processes}.yaml"
+    path = out / f"config-{processes}{'' if hold else '-no-hold'}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -258,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=ints, default=[1, 2])
     parser.add_argument("--loads", type=ints, default=[4, 8, 12])
     parser.add_argument("--turns", type=int, default=3, help="turns per caller")
+    parser.add_argument(
+        "--barge-in-hold",
+        choices=("on", "off", "both"),
+        default="on",
+        help="gateway.barge_in_hold; both: each process count with it off, then on",
+    )
     parser.add_argument("--per-process", type=int, default=4, help="callers per process")
     parser.add_argument("--out", type=Path, default=Path("out/gateway-scaling"))
     args = parser.parse_args(argv)
@@ -276,16 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     # the GPU machine has espeak-ng's library (its wheel) but not its program
     clips = spoken_questions() if shutil.which("espeak-ng") else [caller_speech()]
     max_calls = 2 * max(args.loads)  # room for calls of the last load still closing
-    for count in args.processes:
-        path = config_for(config.model_dump(mode="json"), count, max_calls, args.out)
+    holds = {"on": [True], "off": [False], "both": [False, True]}[args.barge_in_hold]
+    for count, hold in [(c, h) for c in args.processes for h in holds]:
+        path = config_for(config.model_dump(mode="json"), count, max_calls, args.out, hold)
+        label = str(count) if holds == [True] else f"{count}, hold {'on' if hold else 'off'}"
         with Service(path, echo=True) as service:
             try:
-                results["runs"][str(count)] = asyncio.run(
+                results["runs"][label] = asyncio.run(
                     measure(service, opus, silence_ms, clips, args)
                 )
-            except Exception as exc:  # the other counts still run; the failure is reported
-                log(f"{count} process(es) failed: {type(exc).__name__}: {exc}")
-                results["runs"][str(count)] = {"error": f"{type(exc).__name__}: {exc}"}
+            except Exception as exc:  # the other runs still go; the failure is reported
+                log(f"{label} failed: {type(exc).__name__}: {exc}")
+                results["runs"][label] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
                 if service.proc.poll() is None:
                     service.stop()

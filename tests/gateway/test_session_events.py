@@ -28,6 +28,7 @@ class RecordingTransport:
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
+        self.holds: list[bool] = []
 
     def send_event(self, event: dict[str, Any]) -> None:
         self.events.append(event)
@@ -35,6 +36,9 @@ class RecordingTransport:
     def play(self, response: ActiveResponse, pcm: np.ndarray) -> None: ...
     def finish(self, response: ActiveResponse) -> None: ...
     def clear(self) -> None: ...
+    def hold(self, held: bool) -> None:
+        self.holds.append(held)
+
     def heard_samples(self, response: ActiveResponse) -> int:
         return 0
 
@@ -76,3 +80,34 @@ def test_partial_transcripts_become_additive_deltas() -> None:
         if e["type"] == "conversation.item.input_audio_transcription.delta"
     ]
     assert "".join(deltas[1:]) == "what is the time"
+
+
+def test_the_agent_is_held_from_the_first_voiced_frame_until_the_vad_decides(
+    make_speech,
+) -> None:
+    speech = make_speech("wait a moment").pcm16
+    for hold_on_voice in (True, False):
+        session = RealtimeSession(
+            "sess_h",
+            RecordingLink(),
+            1,
+            22050,
+            GatewayMetrics(),
+            SessionConfig(voice="v"),
+            print,
+            hold_on_voice=hold_on_voice,
+        )
+        transport = RecordingTransport()
+        session.bind(transport)
+        session.response = object()  # the agent is speaking
+        for start in range(0, len(speech), 320):
+            session.feed_audio(speech[start : start + 320])
+            if session.vad.voiced_run:
+                break  # the first voiced frame, before any barge-in is decided
+        if not hold_on_voice:
+            assert not any(transport.holds)
+            continue
+        assert transport.holds[-1] and not session.vad.in_speech
+        assert session.vad.voiced_run < session.vad._onset_frames
+        session.feed_audio(np.zeros(320, np.int16))  # a false start: the agent plays on
+        assert transport.holds[-1] is False
