@@ -408,9 +408,10 @@ static int wait_slice(RingObject *self, int64_t deadline, int writer, uint32_t l
     switch (st) {
     case OG_OK:
     case OG_TIMEOUT:
-        return 0;
     case OG_INTERRUPTED:
-        return PyErr_CheckSignals() < 0 ? -1 : 0; /* lets Ctrl-C through */
+        /* lets Ctrl-C through: the signal interrupts the sleep, or, when it landed between
+         * Python's last check and the futex call, is seen at the end of this slice */
+        return PyErr_CheckSignals() < 0 ? -1 : 0;
     case OG_PEER_DIED:
         PyErr_Format(PeerDiedError, "ring %s: the %s (pid %d) died", self->name,
                      writer ? "consumer" : "producer", (int)peer);
