@@ -20,6 +20,25 @@ def worst_gap_ms(arrivals: list[float], start: float, end: float) -> float:
     return float(max(np.diff(times)) * 1000) if len(times) > 1 else float("inf")
 
 
+async def _reply_started(call: RealtimeCall, timeout: float) -> str | None:
+    """None once the agent's voice starts on `call`; else why not (a timeout, an error)."""
+    try:
+        await call.next_event("output_audio_buffer.started", timeout=timeout)
+        return None
+    except TimeoutError:
+        return f"no reply within {timeout:.0f} s"
+    except RuntimeError as exc:  # an error event
+        return str(exc)
+
+
+async def _media_flowing(call: RealtimeCall, timeout: float = 10.0) -> None:
+    """Wait for the gateway's first audio frame (silence when idle): the media path is up, so
+    the caller's first words are not spoken into a connection still being set up."""
+    deadline = time.monotonic() + timeout
+    while not call.speaker.arrivals and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)  # polling the receiver's frame log
+
+
 async def _callers(
     base_url: str, n: int, speech48k: np.ndarray, listen_s: float, reply_timeout: float
 ) -> dict[str, Any]:
@@ -27,22 +46,19 @@ async def _callers(
     try:
         for call in calls:
             await call.next_event("session.created")
+        await asyncio.gather(*(_media_flowing(c) for c in calls))
         t0 = time.monotonic()
         for call in calls:
             call.microphone.play(speech48k)
-        replied = []
-        for call in calls:
-            try:
-                await call.next_event("output_audio_buffer.started", timeout=reply_timeout)
-                replied.append(True)
-            except TimeoutError:
-                replied.append(False)
+        # all at once, so one call without a reply costs the others no time
+        failures = await asyncio.gather(*(_reply_started(c, reply_timeout) for c in calls))
         t_replies = time.monotonic()
         await asyncio.sleep(listen_s)  # keep every call exchanging audio for a while
         end = time.monotonic()
         return {
             "call_ids": [c.call_id for c in calls],
-            "replied": replied,
+            "replied": [f is None for f in failures],
+            "failures": failures,
             "reply_wait_s": t_replies - t0,
             "window": (t_replies, end),
             "worst_gap_in_ms": [worst_gap_ms(c.speaker.arrivals, t_replies, end) for c in calls],

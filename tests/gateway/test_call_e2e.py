@@ -214,7 +214,9 @@ async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> No
         await asyncio.to_thread(proc.join, 30)
         if proc.is_alive():
             proc.kill()
-    assert all(report["replied"]), f"callers without a reply: {report['replied']}"
+    failures = zip(report["call_ids"], report["failures"], strict=True)
+    missing = {cid: why for cid, why in failures if why}
+    assert not missing, f"callers without a reply: {missing}"
     start, end = report["window"]
     gaps_in = [
         worst_gap_ms(frame_log[cid], start, end) for cid in report["call_ids"] if cid in frame_log

@@ -136,8 +136,12 @@ def test_blocked_producer_learns_consumer_died(control: Control) -> None:
 def test_ctrl_c_interrupts_a_blocked_pop(control: Control, tmp_path) -> None:
     with Ring.create(segment_name("test-sigint"), 1024, control=control) as ring:
         script = textwrap.dedent(f"""
+            import signal
             import sys
             from shm import Control, Ring
+            # Python's own Ctrl-C handling, even when started with SIGINT ignored (as a
+            # background job of a shell is)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             ring = Ring.attach({ring.name!r}, Control.attach({control.name!r}))
             print("blocked", flush=True)
             try:
