@@ -72,7 +72,9 @@ class PlayoutTrack(MediaStreamTrack):
         self._head_offset = 0  # samples of _chunks[0] already sent
         self._queued = 0
         self._playing = False
-        self._held = False
+        # True: silence goes out and the queue waits (the caller may be starting to talk over
+        # the agent: nothing is lost if not); clear() resets it
+        self.held = False
         self._start: float | None = None
         self._pts = 0
         self._silence = np.zeros(self.frame_samples, np.int16)
@@ -103,22 +105,8 @@ class PlayoutTrack(MediaStreamTrack):
         self._head_offset = 0
         self._queued = 0
         self._playing = False
-        self._held = False
+        self.held = False
         return dropped
-
-    def hold(self) -> None:
-        """Send silence from the next frame on without using up the queue, until `resume()`
-        (the caller may be starting to talk: nothing of the agent is lost if not) or
-        `clear()` (they were)."""
-        self._held = True
-
-    def resume(self) -> None:
-        """Play the queue on from where `hold()` stopped it."""
-        self._held = False
-
-    @property
-    def is_held(self) -> bool:
-        return self._held
 
     def stop(self) -> None:
         self.clear()
@@ -160,7 +148,7 @@ class PlayoutTrack(MediaStreamTrack):
     def _take_frame(self) -> tuple[np.ndarray, int, list[object]]:
         """(one frame of samples, how many of them are audio, marks completed by this frame)."""
         marks: list[object] = []
-        if not self._chunks or self._held:
+        if not self._chunks or self.held:
             return self._silence, 0, marks
         out = np.zeros(self.frame_samples, np.int16)
         filled = 0
@@ -187,7 +175,7 @@ class PlayoutTrack(MediaStreamTrack):
             self._call(self.on_started)
         for mark in marks:
             self._call(self.on_mark, mark)
-        if self._playing and self._queued == 0 and not self._held:
+        if self._playing and self._queued == 0 and not self.held:
             self._playing = False
             self._call(self.on_stopped)
 

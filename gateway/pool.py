@@ -9,7 +9,6 @@ is started again; the other processes' calls go on.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -19,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client import multiprocess
 
 from stages.rings import RingNames
 from stages.supervisor import Supervisor, terminate
@@ -127,11 +128,8 @@ class GatewayPool:
         closed = self.supervisor.release_gateway_sessions(
             worker.instance, pid, "gateway_process_died"
         )
-        with contextlib.suppress(Exception):  # only in multiprocess-metrics mode
-            from prometheus_client import multiprocess
-
-            if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-                multiprocess.mark_process_dead(pid)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # its live gauges stop counting
+            multiprocess.mark_process_dead(pid)
         logger.error(
             "gateway process %s (pid %d) died with exit code %s; closed its %d session(s); "
             "restarting it",

@@ -64,10 +64,8 @@ class Siblings:
 
     def load(self, instance: str) -> int:
         """Sessions gateway process `instance` holds now."""
-        first, step = self.names.gateway_stride(instance)
-        return sum(
-            1 for s in range(first, self.control.max_sessions, step) if self.control.holder(s)
-        )
+        ids = self.names.sessions_of(instance, self.control.max_sessions)
+        return sum(1 for s in ids if self.control.holder(s))
 
     def target_for_new_call(self, request: web.Request) -> str | None:
         """The sibling a new call should go to (strictly fewer sessions than here), or None
@@ -113,16 +111,13 @@ class Siblings:
                 return web.Response(status=resp.status, body=payload, headers=out)
         except (aiohttp.ClientError, TimeoutError) as exc:
             logger.warning("forwarding %s to %s failed: %s", request.path, instance, exc)
-            body = (
-                '{"error": {"message": "the gateway process holding this request is '
-                'restarting", "type": "server_error", "code": "unavailable", "param": null}}'
-            )
-            return web.Response(
-                status=503,
-                text=body,
-                content_type="application/json",
-                headers={"Retry-After": "1"},
-            )
+            error = {
+                "message": "the gateway process holding this request is restarting",
+                "type": "server_error",
+                "code": "unavailable",
+                "param": None,
+            }
+            return web.json_response({"error": error}, status=503, headers={"Retry-After": "1"})
 
     async def close(self) -> None:
         for client in self._clients.values():

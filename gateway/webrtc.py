@@ -110,10 +110,7 @@ class WebRTCTransport:
         self.playout.enqueue(self.upsampler.flush(), mark=("done", response.response_id))
 
     def hold(self, held: bool) -> None:
-        if held:
-            self.playout.hold()
-        else:
-            self.playout.resume()
+        self.playout.held = held
 
     def clear(self) -> None:
         self.playout.clear()

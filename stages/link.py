@@ -119,8 +119,7 @@ class PipelineLink:
         """Claim a session id and tell every stage; raises SessionsFull when none is free."""
         session = self.control.open_session(*self._stride)
         if session is None:
-            first, step = self._stride
-            count = len(range(first, self.control.max_sessions, step))
+            count = len(self.names.sessions_of(self.instance, self.control.max_sessions))
             raise SessionsFull(f"all {count} sessions of {self.instance} are in use")
         for stage in STAGES:
             self._send(stage, session, opening or SessionOpen())

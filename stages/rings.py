@@ -109,6 +109,11 @@ class RingNames:
         """(first, step) of the session ids gateway `instance` hands out."""
         return self.gateways.index(instance), self.count(GATEWAY)
 
+    def sessions_of(self, instance: str, max_sessions: int) -> range:
+        """Every session id gateway `instance` may hand out."""
+        first, step = self.gateway_stride(instance)
+        return range(first, max_sessions, step)
+
     def instance_for(self, role: str, session: int) -> str:
         """The instance of `role` that serves `session` (the role itself when it has one)."""
         gateways = self.count(GATEWAY)

@@ -250,9 +250,8 @@ class Supervisor:
         ids. Pushed into that process's own rings, whose producer is gone; returns the ids."""
         assert self.rings is not None
         control = self.rings.control
-        first, step = self.names.gateway_stride(instance)
         closed = []
-        for session in range(first, control.max_sessions, step):
+        for session in self.names.sessions_of(instance, control.max_sessions):
             if control.holder(session) != pid:
                 continue
             control.cancel(session)

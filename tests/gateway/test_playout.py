@@ -88,19 +88,19 @@ async def test_hold_silences_without_dropping_and_resume_plays_on() -> None:
     audio = tone(4 * FRAME_SAMPLES)
     track.enqueue(audio)
     first = (await track.recv()).to_ndarray().reshape(-1)
-    track.hold()
+    track.held = True
     for _ in range(3):  # the caller may be talking: silence, the queue kept
         assert not (await track.recv()).to_ndarray().any()
-    assert track.is_held and track.is_playing and not stopped
+    assert track.held and track.is_playing and not stopped
     assert track.queued_samples == 3 * FRAME_SAMPLES
-    track.resume()  # it was not a barge-in: the agent goes on where it was
+    track.held = False  # it was not a barge-in: the agent goes on where it was
     rest = [(await track.recv()).to_ndarray().reshape(-1) for _ in range(3)]
     np.testing.assert_array_equal(np.concatenate([first, *rest]), audio)
     assert stopped == [True] and track.played_samples == len(audio)
     track.enqueue(audio)
-    track.hold()
+    track.held = True
     track.clear()  # it was: the queue goes, and the hold with it
-    assert not track.is_held and track.queued_samples == 0
+    assert not track.held and track.queued_samples == 0
 
 
 async def test_started_stopped_and_marks_fire_when_their_audio_goes_out() -> None:
