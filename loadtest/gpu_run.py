@@ -518,8 +518,31 @@ async def _measure_loads(
     return out
 
 
+@dataclass(frozen=True)
+class Vocoders:
+    """A vocoder variant to run: processes, and replies each steps together (REPLICASxBATCH)."""
+
+    replicas: int
+    batch: int
+
+    @classmethod
+    def parse(cls, text: str) -> Vocoders:
+        try:
+            replicas, batch = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"vocoder variant {text!r} is not REPLICASxBATCH, e.g. 4x1 or 1x8"
+            ) from None
+        if not (1 <= replicas <= 16 and 1 <= batch <= 64):
+            raise argparse.ArgumentTypeError(f"vocoder variant {text!r}: 1-16 x 1-64")
+        return cls(replicas, batch)
+
+    def __str__(self) -> str:
+        return f"{self.replicas}x{self.batch}"
+
+
 def layout_config(
-    name: str, models: Any, gpu_count: int, device: str, vocoder_replicas: int | None = None
+    name: str, models: Any, gpu_count: int, device: str, vocoders: Vocoders | None = None
 ) -> tuple[Any, list[str]]:
     """The layout's configuration with the built models' folders; notes on what was changed."""
     from gateway.config import GatewayConfig, load_config
@@ -534,9 +557,13 @@ def layout_config(
     }
     if "auth" in GatewayConfig.model_fields:  # callers on 127.0.0.1 carry no API key
         overrides["gateway.auth.enabled"] = False
-    if vocoder_replicas is not None:
-        overrides["vocoder.replicas"] = vocoder_replicas
-        notes.append(f"vocoder.replicas: {vocoder_replicas} (from the command line)")
+    if vocoders is not None:
+        overrides["vocoder.replicas"] = vocoders.replicas
+        overrides["vocoder.batch"] = vocoders.batch
+        notes.append(
+            f"vocoder.replicas: {vocoders.replicas}, vocoder.batch: {vocoders.batch} "
+            "(from the command line)"
+        )
     if name == "tp2" and gpu_count == 2:
         overrides["encoder.gpus"] = overrides["vocoder.gpus"] = [1]
         notes.append("only 2 GPUs: encoder and vocoder share GPU 1 with vLLM's second shard")
@@ -557,10 +584,12 @@ def layout_config(
     return load_config(CONFIGS / LAYOUT_CONFIGS[name], overrides), notes
 
 
-def run_layout(name: str, models: Any, speech: np.ndarray, args: argparse.Namespace) -> dict:
+def run_layout(
+    name: str, vocoders: Vocoders | None, models: Any, speech: np.ndarray, args: argparse.Namespace
+) -> dict:
     from stages.supervisor import Supervisor
 
-    config, notes = layout_config(name, models, args.gpu_count, args.device, args.vocoder_replicas)
+    config, notes = layout_config(name, models, args.gpu_count, args.device, vocoders)
     out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
     t0 = time.monotonic()
     with Supervisor(config) as supervisor:
@@ -671,7 +700,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--itl-streams", type=ints, default=[8, 32])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(
-        "--vocoder-replicas", type=int, default=None, help="override the layouts' vocoder.replicas"
+        "--vocoders",
+        type=lambda s: [Vocoders.parse(v) for v in s.split(",") if v],
+        default=[None],
+        help="vocoder variants to run side by side, REPLICASxBATCH each (e.g. 4x1,1x8: four "
+        "processes stepping one reply at a time, one process stepping up to 8 together); "
+        "default: as each layout's file says",
     )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
@@ -701,13 +735,14 @@ def main(argv: list[str] | None = None) -> int:
     log(f"models ready in {results['models']['build_s']} s")
     speech = caller_speech()
     results["caller_speech_s"] = round(len(speech) / 48000, 2)
-    for name in layouts:
-        log(f"layout {name}: {LAYOUT_CONFIGS[name]}")
+    for name, vocoders in itertools.product(layouts, args.vocoders):
+        key = name if vocoders is None else f"{name} {vocoders}"
+        log(f"layout {key}: {LAYOUT_CONFIGS[name]}")
         try:
-            results["layouts"][name] = run_layout(name, models, speech, args)
-        except Exception as exc:  # the other layout still runs; the failure is reported
-            log(f"layout {name} failed: {type(exc).__name__}: {exc}")
-            results["layouts"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            results["layouts"][key] = run_layout(name, vocoders, models, speech, args)
+        except Exception as exc:  # the other layouts still run; the failure is reported
+            log(f"layout {key} failed: {type(exc).__name__}: {exc}")
+            results["layouts"][key] = {"error": f"{type(exc).__name__}: {exc}"}
         (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     print(table(results), flush=True)
     (args.out / "table.md").write_text(table(results) + "\n")

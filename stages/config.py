@@ -153,6 +153,12 @@ class VocoderConfig(TorchStageConfig):
     max_lead_ms: int = Field(
         2000, ge=100, le=600_000, description="how far synthesis may run ahead of playback"
     )
+    batch: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="replies a voice that batches (speecht5) steps together in one decoder pass",
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
 
     @model_validator(mode="after")

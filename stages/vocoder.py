@@ -2,7 +2,9 @@
 
 Replies are interleaved a block at a time: each turn of the model loop takes the next chunk
 (one streamed block of a neural voice) of the reply least far ahead of its playback, so one
-caller's long phrase never holds up another caller's first audio. A cancel reaches the voice
+caller's long phrase never holds up another caller's first audio. A voice that batches
+(SpeechT5) instead steps every reply that is not far enough ahead in one decoder pass, up to
+`vocoder.batch` of them: on a GPU that costs about what one reply costs. A cancel reaches the voice
 itself: its `stop()` asks the session's epoch every decoder step, so the engine stops before the
 CANCEL record is even read. `vocoder.replicas` runs several of these processes (stages.rings).
 """
@@ -12,9 +14,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -24,6 +26,9 @@ from stages.messages import AudioDone, Kind, Phrase
 from stages.phrases import PhraseSplitter
 from stages.rings import GATEWAY
 from stages.worker import Inbound, QueuedStage
+
+if TYPE_CHECKING:  # imported with the SpeechT5 voice, never for espeak
+    from stages.backends.tts_speecht5 import PhraseStream
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +58,8 @@ class Reply:
     splitter: PhraseSplitter
     # phrases waiting for the voice, with the stamp of the record that completed each
     pending: collections.deque[tuple[str, int]] = field(default_factory=collections.deque)
-    speaking: Iterator[np.ndarray] | None = None  # the phrase being synthesized, chunk by chunk
+    # the phrase being synthesized: chunk by chunk, or a block per `advance` of a batching voice
+    speaking: Iterator[np.ndarray] | PhraseStream | None = None
     samples: int = 0  # synthesized so far
     started: float | None = None  # monotonic time of its first audio
     done_status: str | None = None  # set once the reply's text is complete
@@ -70,12 +76,20 @@ class Reply:
         return self.speaking is not None or bool(self.pending)
 
     def stop_speaking(self) -> None:
-        """Close the phrase's generator: the backend stops at its next block."""
+        """Close the phrase's generator or stream: the backend stops at its next block."""
         if self.speaking is not None:
             speaking, self.speaking = self.speaking, None
             close = getattr(speaking, "close", None)
             if close is not None:
                 close()
+
+
+class BatchingVoice(Voice, Protocol):
+    """A voice that steps several phrases in one pass (stages.backends.tts_speecht5)."""
+
+    def begin(self, text: str, stop: Callable[[], bool] | None = None) -> PhraseStream: ...
+
+    def advance(self, streams: Sequence[PhraseStream]) -> list[np.ndarray]: ...
 
 
 class VocoderStage(QueuedStage):
@@ -85,6 +99,9 @@ class VocoderStage(QueuedStage):
         t0 = time.monotonic()
         self.voice = load_voice(self.config.vocoder)
         self.replies: dict[int, Reply] = {}
+        self.batching: BatchingVoice | None = (
+            self.voice if hasattr(self.voice, "advance") else None  # type: ignore[assignment]
+        )
         logger.info(
             "vocoder: %s at %d Hz ready in %.1f s",
             self.voice.name,
@@ -156,16 +173,26 @@ class VocoderStage(QueuedStage):
         if not ready:
             return None
         # ties (replies not started, or unpaced) go to the one with the least audio made
-        lead, session, reply = min(ready, key=lambda t: (t[0], t[2].samples))
+        ready.sort(key=lambda t: (t[0], t[2].samples))
+        lead = ready[0][0]
         if lead >= max_lead:
             return lead - max_lead
+        if self.batching is not None:
+            group = [(s, r) for lead, s, r in ready if lead < max_lead]
+            self._speak_together(group[: self.config.vocoder.batch])
+            return 0.0
+        _, session, reply = ready[0]
         try:
             self._speak_chunk(session, reply)
         except Exception as exc:  # this reply is lost; the other sessions' go on
-            logger.exception("vocoder: speaking for session %d failed", session)
+            self._failed([session], exc)
+        return 0.0
+
+    def _failed(self, sessions: list[int], exc: Exception) -> None:
+        logger.exception("vocoder: speaking for session(s) %s failed", sessions)
+        for session in sessions:
             self._drop(session)
             self.error(session, "synthesis_failed", f"{type(exc).__name__}: {exc}")
-        return 0.0
 
     def _reply_for(self, item: Inbound) -> Reply | None:
         reply = self.replies.get(item.session)
@@ -173,27 +200,53 @@ class VocoderStage(QueuedStage):
             return None  # a reply we never saw start (its start was cancelled): ignore
         return reply
 
+    def _next_phrase(self, session: int, reply: Reply) -> tuple[str, Callable[[], bool]]:
+        """Announce the reply's next phrase to the gateway; its text, and its `stop` test."""
+        text, ready_ns = reply.pending.popleft()
+        phrase = Phrase(reply.response_id, text, self.voice.sample_rate, ready_ns)
+        self.send(GATEWAY, session, phrase, epoch=reply.epoch)
+        epoch = reply.epoch
+        # a cancel stops the engine within a step, before the CANCEL record is read
+        return text, lambda: self.control.epoch(session) != epoch
+
     def _speak_chunk(self, session: int, reply: Reply) -> None:
         """Synthesize the reply's next chunk (starting its next phrase if need be) and push it
         in pieces of at most 100 ms."""
-        rate = self.voice.sample_rate
         if reply.speaking is None:
-            text, ready_ns = reply.pending.popleft()
-            phrase = Phrase(reply.response_id, text, rate, ready_ns)
-            self.send(GATEWAY, session, phrase, epoch=reply.epoch)
-            epoch = reply.epoch
-            reply.speaking = iter(
-                # a cancel stops the engine within a step, before the CANCEL record is read
-                self.voice.synthesize(text, stop=lambda: self.control.epoch(session) != epoch)
-            )
+            text, stop = self._next_phrase(session, reply)
+            reply.speaking = iter(self.voice.synthesize(text, stop=stop))
         try:
-            chunk = next(reply.speaking)
+            chunk = next(reply.speaking)  # type: ignore[arg-type]
         except StopIteration:
             reply.speaking = None
             return
         except BaseException:
             reply.stop_speaking()
             raise
+        self._push(session, reply, chunk)
+
+    def _speak_together(self, group: list[tuple[int, Reply]]) -> None:
+        """The next block of every reply in ``group``, their decoder steps in one pass."""
+        assert self.batching is not None
+        streams = []
+        for session, reply in group:
+            if reply.speaking is None:
+                text, stop = self._next_phrase(session, reply)
+                reply.speaking = self.batching.begin(text, stop)
+            streams.append(reply.speaking)  # type: ignore[arg-type]
+        try:
+            blocks = self.batching.advance(streams)
+        except Exception as exc:  # these replies are lost; the other sessions' go on
+            self._failed([session for session, _ in group], exc)
+            return
+        for (session, reply), stream, block in zip(group, streams, blocks, strict=True):
+            if stream.done:
+                reply.speaking = None
+            self._push(session, reply, block)
+
+    def _push(self, session: int, reply: Reply, chunk: np.ndarray) -> None:
+        """Push ``chunk`` of the reply's audio to the gateway in pieces of at most 100 ms."""
+        rate = self.voice.sample_rate
         audio = self.outputs[self.spec.names.instance_for(GATEWAY, session)]
         for piece in split_pcm16(chunk, rate):
             if self.control.epoch(session) != reply.epoch:

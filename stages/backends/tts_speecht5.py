@@ -12,10 +12,11 @@ used (logged), which sounds like nobody in particular but is the same in every p
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from stages.backends.speech import (
     warn_if_random_weights,
 )
 from stages.backends.speech import torch_device as load_device
+from stages.backends.speecht5_batch import Utterance, decode
 
 if TYPE_CHECKING:
     import torch
@@ -246,79 +248,104 @@ class SpeechT5Voice:
     def synthesize(self, text: str, stop: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
         """Yield int16 chunks of ``text`` spoken as they are made; closing stops the model at
         the next block (streaming) or between pieces, ``stop`` at the next decoder step."""
-        stop = stop or _never
-        for piece in _pieces(text, self.max_tokens):
-            if stop():
-                return
-            if self.stream_steps:
-                for block in self._stream(piece, stop):
-                    yield from split_pcm16(block, self.sample_rate, self._chunk_ms)
-            else:
+        if not self.stream_steps:
+            stop = stop or _never
+            for piece in _pieces(text, self.max_tokens):
+                if stop():
+                    return
                 yield from split_pcm16(self._speak(piece), self.sample_rate, self._chunk_ms)
+            return
+        stream = self.begin(text, stop)
+        try:
+            while not stream.done:
+                (block,) = self.advance([stream])
+                yield from split_pcm16(block, self.sample_rate, self._chunk_ms)
+        finally:
+            stream.close()
 
-    def _stream(self, text: str, cancelled: Callable[[], bool]) -> Iterator[np.ndarray]:
-        """transformers' `_generate_speech` loop for one utterance, vocoding as it goes.
+    def begin(self, text: str, stop: Callable[[], bool] | None = None) -> PhraseStream:
+        """A phrase to speak a block at a time with `advance`; ``stop`` as in `synthesize`."""
+        return PhraseStream(collections.deque(_pieces(text, self.max_tokens)), stop or _never)
 
-        Every `stream_steps` decoder steps the post-net runs over the spectrogram so far (it is
-        a few 5-wide convolutions: cheap) and HiFi-GAN turns the frames that have their right
-        context into audio, with some frames of left context whose samples are dropped, so
-        block edges do not click. The last block takes everything.
+    def advance(self, streams: Sequence[PhraseStream]) -> list[np.ndarray]:
+        """The next block of int16 audio of each stream (empty while a block is still short of
+        its right context), the streams' decoder steps run as one batch.
+
+        A block is `stream_steps` decoder steps (one more for a piece's first). Every block the
+        post-net runs over the spectrogram so far (a few 5-wide convolutions: cheap) and
+        HiFi-GAN turns the frames that have their right context into audio, with some frames of
+        left context whose samples are dropped, so block edges do not click. A piece's last
+        block takes everything. A stream is `done` after its last block or once stopped.
         """
         import torch
 
-        model, config = self._model, self._model.config
-        r, bins = config.reduction_factor, config.num_mel_bins
-        postnet = model.speech_decoder_postnet
-        input_ids = self._processor(text=text, return_tensors="pt").input_ids
-        input_ids = input_ids[:, : self.max_tokens].to(model.device)
+        blocks = [_EMPTY] * len(streams)
         with self._lock, torch.inference_mode():
-            mask = 1 - (input_ids == config.pad_token_id).int()
-            encoded = model.speecht5.encoder(
-                input_values=input_ids, attention_mask=mask, return_dict=True
-            ).last_hidden_state
-        kw = self._generate_kwargs
-        maxlen = int(encoded.size(1) * kw["maxlenratio"] / r)
-        minlen = int(encoded.size(1) * kw["minlenratio"] / r)
-        sequence = encoded.new_zeros(1, 1, bins)
-        frames: list[Any] = []
-        past = None
-        vocoded = 0  # post-net frames already turned into audio
-        for step in range(1, maxlen + 1):
-            if cancelled():
-                return
-            with self._lock, torch.inference_mode():
-                prenet = model.speecht5.decoder.prenet(sequence, self._speaker)
-                out = model.speecht5.decoder.wrapped_decoder(
-                    hidden_states=prenet[:, -1:],
-                    attention_mask=None,
-                    encoder_hidden_states=encoded,
-                    encoder_attention_mask=mask,
-                    past_key_values=past,
-                    use_cache=True,
-                    return_dict=True,
-                )
-                hidden = out.last_hidden_state.squeeze(1)
-                past = out.past_key_values
-                spectrum = postnet.feat_out(hidden).view(1, r, bins)
-                frames.append(spectrum)
-                sequence = torch.cat((sequence, spectrum[:, -1:, :]), dim=1)
-                stop = float(torch.sigmoid(postnet.prob_out(hidden)).sum()) >= kw["threshold"]
-                last = step == maxlen or (step >= minlen and stop)
-                if not last and step % self.stream_steps:
+            active = [i for i, s in enumerate(streams) if self._next_piece(s)]
+            decode(
+                self._model,
+                self._speaker,
+                [streams[i].utterance for i in active],  # type: ignore[misc]
+                self.stream_steps,
+                self._generate_kwargs["threshold"],
+            )
+            for i in active:
+                stream = streams[i]
+                utterance = stream.utterance
+                assert utterance is not None
+                if utterance.cancelled:
+                    stream.close()
                     continue
-                mel = postnet.postnet(torch.cat(frames, dim=1))[0]
-                ready = len(mel) if last else len(mel) - _RIGHT_CONTEXT
-                if ready <= vocoded:
-                    continue
-                left = min(vocoded, _LEFT_CONTEXT)
-                right = len(mel) - ready
-                wave = self._vocoder(mel[vocoded - left :]).float()
-                hop = len(wave) // (len(mel) - vocoded + left)
-                block = wave[left * hop : len(wave) - right * hop].cpu().numpy()
-            vocoded = ready
-            yield float_to_pcm16(block)
-            if last:
-                return
+                blocks[i] = self._vocode(stream)
+                if utterance.finished and not stream.pieces:
+                    stream.close()
+        return blocks
+
+    def _next_piece(self, stream: PhraseStream) -> bool:
+        """Whether ``stream`` has decoding to do, starting its next piece if need be."""
+        if stream.done:
+            return False
+        if stream.utterance is not None and not stream.utterance.finished:
+            return True
+        if not stream.pieces or stream.stop():
+            stream.close()
+            return False
+        model, config = self._model, self._model.config
+        input_ids = self._processor(text=stream.pieces.popleft(), return_tensors="pt").input_ids
+        input_ids = input_ids[:, : self.max_tokens].to(model.device)
+        mask = 1 - (input_ids == config.pad_token_id).int()
+        encoded = model.speecht5.encoder(
+            input_values=input_ids, attention_mask=mask, return_dict=True
+        ).last_hidden_state
+        kw, r = self._generate_kwargs, config.reduction_factor
+        stream.utterance = Utterance(
+            encoded,
+            mask,
+            minlen=int(encoded.size(1) * kw["minlenratio"] / r),
+            maxlen=int(encoded.size(1) * kw["maxlenratio"] / r),
+            stop=stream.stop,
+            sequence=encoded.new_zeros(1, 1, config.num_mel_bins),
+        )
+        stream.vocoded = 0
+        return True
+
+    def _vocode(self, stream: PhraseStream) -> np.ndarray:
+        import torch
+
+        utterance = stream.utterance
+        assert utterance is not None
+        if not utterance.frames:
+            return _EMPTY
+        mel = self._model.speech_decoder_postnet.postnet(torch.cat(utterance.frames, dim=1))[0]
+        ready = len(mel) if utterance.finished else len(mel) - _RIGHT_CONTEXT
+        if ready <= stream.vocoded:
+            return _EMPTY
+        left = min(stream.vocoded, _LEFT_CONTEXT)
+        right = len(mel) - ready
+        wave = self._vocoder(mel[stream.vocoded - left :]).float()
+        hop = len(wave) // (len(mel) - stream.vocoded + left)
+        stream.vocoded = ready
+        return float_to_pcm16(wave[left * hop : len(wave) - right * hop].cpu().numpy())
 
     def _speak(self, text: str) -> np.ndarray:
         import torch
@@ -331,6 +358,23 @@ class SpeechT5Voice:
             )
         return float_to_pcm16(waveform.float().cpu().numpy())
 
+
+class PhraseStream:
+    """A phrase being spoken by a `SpeechT5Voice`, a block per `advance`."""
+
+    def __init__(self, pieces: collections.deque[str], stop: Callable[[], bool]) -> None:
+        self.pieces = pieces  # what is left to speak, in pieces the model's positions allow
+        self.stop = stop
+        self.utterance: Utterance | None = None  # the piece being decoded
+        self.vocoded = 0  # its post-net frames already turned into audio
+        self.done = False
+
+    def close(self) -> None:
+        """No more decoding for this phrase."""
+        self.done = True
+
+
+_EMPTY = np.zeros(0, dtype=np.int16)
 
 # Frames of context a streamed block needs: the post-net's five 5-wide convolutions see 10
 # frames either side; HiFi-GAN's receptive field is a few frames more.

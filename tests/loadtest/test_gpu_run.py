@@ -13,10 +13,12 @@ from loadtest.conversation import FRAME, WatchedSpeaker, last_voiced_frame
 from loadtest.gpu_run import (
     HOPS,
     Seen,
+    Vocoders,
     cancel_latencies,
     inter_token_ms,
     layout_config,
     load_figures,
+    main,
     turn_hops,
 )
 from stages.messages import CancelAck, Kind, Phrase, ResponseStarted, TextDelta, Transcript
@@ -169,8 +171,14 @@ def test_the_agent_counts_as_stopped_once_200_ms_are_silent() -> None:
     assert speaker.stopped_after(0.3) is None
 
 
-def test_vocoder_replicas_can_be_overridden_for_a_comparison() -> None:
-    config, notes = layout_config("one", MODELS, gpu_count=1, device="cuda", vocoder_replicas=1)
-    assert config.vocoder.replicas == 1 and "vocoder.replicas: 1" in notes[-1]
+def test_vocoder_variants_can_be_set_for_a_comparison(capsys) -> None:
+    variant = Vocoders.parse("4x1")
+    config, notes = layout_config("one", MODELS, gpu_count=1, device="cuda", vocoders=variant)
+    assert (config.vocoder.replicas, config.vocoder.batch) == (4, 1)
+    assert "vocoder.replicas: 4, vocoder.batch: 1" in notes[-1]
     config, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
-    assert config.vocoder.replicas == 4  # what configs/gpu-one.yaml asks for
+    assert (config.vocoder.replicas, config.vocoder.batch) == (1, 8)  # configs/gpu-one.yaml
+    for bad in ("4", "4x", "0x8", "1x65"):
+        with pytest.raises(SystemExit):
+            main(["--vocoders", bad])
+        assert "vocoder variant" in capsys.readouterr().err

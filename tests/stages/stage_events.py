@@ -16,3 +16,13 @@ def wait_for(events: EventQueues, session: int, kind: Kind, timeout: float = 30)
         if ev.kind is kind:
             return ev
         assert ev.kind is not Kind.ERROR, ev.msg
+
+
+def cancel_acks(events: EventQueues, session: int, cancel_id: str, roles: int = 3) -> set[str]:
+    """The stages that acknowledged the session's cancel `cancel_id`, once all `roles` have."""
+    acks: set[str] = set()
+    while len(acks) < roles:
+        ev = wait_for(events, session, Kind.CANCEL_ACK)
+        if ev.msg.cancel_id == cancel_id:
+            acks.add(ev.msg.stage)
+    return acks

@@ -16,7 +16,7 @@ from stages.link import EventQueues, PipelineLink
 from stages.messages import Kind
 from stages.rings import RingNames, role_of
 from stages.supervisor import Supervisor
-from tests.stages.stage_events import wait_for
+from tests.stages.stage_events import cancel_acks, wait_for
 
 OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
 
@@ -93,11 +93,7 @@ def test_each_session_is_spoken_by_its_replica_and_cancelled_there(
             assert audio.stage == link.names.instance_for("vocoder", s)
         for s in (a, b):
             cancel_id, _ = link.cancel(s, f"resp-{s}")
-            acks: set[str] = set()
-            while len(acks) < 3:
-                ev = wait_for(events, s, Kind.CANCEL_ACK)
-                if ev.msg.cancel_id == cancel_id:
-                    acks.add(ev.msg.stage)
+            acks = cancel_acks(events, s, cancel_id)
             # the replica acks as "vocoder": the gateway waits for one ack per role
             assert acks == {"encoder", "reasoning", "vocoder"}
     finally:

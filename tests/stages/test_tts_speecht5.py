@@ -178,3 +178,33 @@ def test_stop_ends_the_phrase_at_the_next_decoder_step(voice, monkeypatch):
     rest = list(speech)  # what was already vocoded of the block in hand, then the end
     assert counter.steps == steps_before
     assert sum(len(c) for c in rest) <= 4 * voice._model.config.reduction_factor * 256
+
+
+def test_a_batch_speaks_each_phrase_as_it_is_spoken_alone(voice, monkeypatch):
+    """Phrases of different lengths, joining a batch at different blocks, get the audio each
+    gets alone, from one decoder pass per step for all of them."""
+    # the prenet's dropout is on even at inference (SpeechT5 needs it): off, to compare
+    prenet = voice._model.speecht5.decoder.prenet
+    monkeypatch.setattr(prenet, "_consistent_dropout", lambda x, p: x)
+    monkeypatch.setattr(voice, "stream_steps", 4)
+    texts = ["Hello there.", "How can I help you today?", "Yes, of course."]
+    alone = [np.concatenate(list(voice.synthesize(t))) for t in texts]
+
+    counter = StepCounter(voice, monkeypatch)
+    streams, spoken = [], [[] for _ in texts]
+    for block in range(200):
+        if block < len(texts):  # one more phrase joins at each of the first blocks
+            streams.append(voice.begin(texts[block]))
+        live = [s for s in streams if not s.done]
+        if not live:
+            break
+        for stream, audio in zip(live, voice.advance(live), strict=True):
+            spoken[streams.index(stream)].append(audio)
+    together = [np.concatenate(parts) for parts in spoken]
+
+    for one, batched in zip(alone, together, strict=True):
+        assert len(batched) == len(one) > 0
+        assert np.abs(batched.astype(int) - one.astype(int)).max() <= 2
+    longest = max(len(voice._processor(text=t).input_ids) for t in texts)
+    steps_alone = longest * MAXLENRATIO // voice._model.config.reduction_factor
+    assert counter.steps < steps_alone + 2 * len(texts) + 4  # not one pass per phrase per step
