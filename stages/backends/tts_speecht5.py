@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -243,6 +244,10 @@ class SpeechT5Voice:
         # maxlenratio frames (reduction_factor frames per decoder step).
         speech_limit = config.max_speech_positions * config.reduction_factor / maxlenratio
         self.max_tokens = int(min(config.max_text_positions, speech_limit)) - 2
+        # frames either side that one post-net frame depends on: its convolutions' half-widths
+        self._postnet_reach = config.speech_decoder_postnet_layers * (
+            (config.speech_decoder_postnet_kernel - 1) // 2
+        )
         self._lock = threading.Lock()
 
     def synthesize(self, text: str, stop: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
@@ -289,6 +294,7 @@ class SpeechT5Voice:
                 self.stream_steps,
                 self._generate_kwargs["threshold"],
             )
+            due: list[tuple[int, _Segment]] = []
             for i in active:
                 stream = streams[i]
                 utterance = stream.utterance
@@ -296,9 +302,12 @@ class SpeechT5Voice:
                 if utterance.cancelled:
                     stream.close()
                     continue
-                blocks[i] = self._vocode(stream)
+                if (segment := self._segment(stream)) is not None:
+                    due.append((i, segment))
                 if utterance.finished and not stream.pieces:
                     stream.close()
+            for i, block in self._vocode(due):
+                blocks[i] = block
         return blocks
 
     def _next_piece(self, stream: PhraseStream) -> bool:
@@ -329,23 +338,46 @@ class SpeechT5Voice:
         stream.vocoded = 0
         return True
 
-    def _vocode(self, stream: PhraseStream) -> np.ndarray:
-        import torch
+    def _segment(self, stream: PhraseStream) -> _Segment | None:
+        """What of the stream's spectrogram to vocode now, if anything; marks it vocoded.
 
+        Frames that have their right context are due (all of them at a piece's end), with
+        some frames of left context before them. The post-net only needs its own reach of
+        frames before those, not the whole spectrogram so far.
+        """
         utterance = stream.utterance
         assert utterance is not None
-        if not utterance.frames:
-            return _EMPTY
-        mel = self._model.speech_decoder_postnet.postnet(torch.cat(utterance.frames, dim=1))[0]
-        ready = len(mel) if utterance.finished else len(mel) - _RIGHT_CONTEXT
+        total = utterance.steps * self._model.config.reduction_factor
+        ready = total if utterance.finished else total - _RIGHT_CONTEXT
         if ready <= stream.vocoded:
-            return _EMPTY
+            return None
         left = min(stream.vocoded, _LEFT_CONTEXT)
-        right = len(mel) - ready
-        wave = self._vocoder(mel[stream.vocoded - left :]).float()
-        hop = len(wave) // (len(mel) - stream.vocoded + left)
+        start = stream.vocoded - left
+        window = max(0, start - self._postnet_reach)
         stream.vocoded = ready
-        return float_to_pcm16(wave[left * hop : len(wave) - right * hop].cpu().numpy())
+        return _Segment(utterance, window, start - window, left, total - ready)
+
+    def _vocode(self, due: list[tuple[int, _Segment]]) -> Iterator[tuple[int, np.ndarray]]:
+        """Audio of each due segment. Segments of one shape (every stream in mid-phrase is
+        the same number of frames past its last block) go through the post-net and HiFi-GAN
+        together, one pass for all of them."""
+        import torch
+
+        shapes: dict[tuple[int, ...], list[tuple[int, _Segment]]] = collections.defaultdict(list)
+        for i, seg in due:
+            shapes[seg.shape].append((i, seg))
+        postnet = self._model.speech_decoder_postnet.postnet
+        for group in shapes.values():
+            frames = torch.cat(
+                [torch.cat(seg.utterance.frames, dim=1)[:, seg.window :] for _, seg in group]
+            )
+            seg = group[0][1]
+            mel = postnet(frames)[:, seg.offset :]
+            waves = self._vocoder(mel).float()
+            hop = waves.size(1) // mel.size(1)
+            waves = waves[:, seg.left * hop : waves.size(1) - seg.right * hop].cpu().numpy()
+            for (i, _), wave in zip(group, waves, strict=True):
+                yield i, float_to_pcm16(wave)
 
     def _speak(self, text: str) -> np.ndarray:
         import torch
@@ -372,6 +404,23 @@ class PhraseStream:
     def close(self) -> None:
         """No more decoding for this phrase."""
         self.done = True
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Frames of an utterance to vocode: from ``window`` its post-net input, ``offset`` frames
+    further the vocoder's, whose first ``left`` and last ``right`` frames are only context."""
+
+    utterance: Utterance
+    window: int
+    offset: int
+    left: int
+    right: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        frames = self.utterance.steps * self.utterance.frames[0].size(1)
+        return (frames - self.window, self.offset, self.left, self.right)
 
 
 _EMPTY = np.zeros(0, dtype=np.int16)
