@@ -31,6 +31,7 @@ from stages.rings import GATEWAY, UNPURGEABLE, RingNames, attach_ends, role_of
 logger = logging.getLogger(__name__)
 
 POP_TIMEOUT_S = 0.25  # how often an idle reader looks at the stop flag
+MAX_RECORDS_A_PUMP = 4096  # records a model loop handles between two pumps, at most
 PARENT_CHECK_S = 0.5  # how often a stage checks that its supervisor is alive
 
 
@@ -167,11 +168,9 @@ class QueuedStage(Stage):
     def run(self) -> None:
         timeout = POP_TIMEOUT_S
         while not self.stop.is_set():
-            try:
-                _, _, item = self.inbox.get(timeout=timeout)
-            except queue.Empty:
-                item = None
-            if item is not None and not self.is_stale(item):
+            for item in self._take(timeout):
+                if self.is_stale(item):
+                    continue
                 try:
                     self.handle(item)
                 except Exception as exc:  # this session's turn fails; the others go on
@@ -181,6 +180,24 @@ class QueuedStage(Stage):
                     self.error(item.session, "internal_error", f"{type(exc).__name__}: {exc}")
             next_in = self.pump()
             timeout = POP_TIMEOUT_S if next_in is None else min(max(next_in, 0.0), POP_TIMEOUT_S)
+
+    def _take(self, timeout: float) -> list[Inbound]:
+        """The next record (waiting up to ``timeout``) and every one already behind it.
+
+        All of them, not one: a pump can take tens of milliseconds, and records come a token
+        at a time from every session, so one record a pump leaves the inbox growing without
+        end and a new reply waiting behind other replies' text for seconds.
+        """
+        try:
+            items = [self.inbox.get(timeout=timeout)[2]]
+        except queue.Empty:
+            return []
+        while len(items) < MAX_RECORDS_A_PUMP:
+            try:
+                items.append(self.inbox.get_nowait()[2])
+            except queue.Empty:
+                break
+        return items
 
     def pump(self) -> float | None:
         """Work that is not driven by a record (pacing): do a slice of it; return in how many
