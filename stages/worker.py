@@ -31,7 +31,6 @@ from stages.rings import GATEWAY, UNPURGEABLE, RingNames, attach_ends, role_of
 logger = logging.getLogger(__name__)
 
 POP_TIMEOUT_S = 0.25  # how often an idle reader looks at the stop flag
-MAX_RECORDS_A_PUMP = 4096  # records a model loop handles between two pumps, at most
 PARENT_CHECK_S = 0.5  # how often a stage checks that its supervisor is alive
 
 
@@ -156,6 +155,8 @@ class QueuedStage(Stage):
     control and cancels jump the queue, stale records are dropped as they come up."""
 
     URGENT = frozenset({Kind.CANCEL, Kind.SESSION_OPEN, Kind.SESSION_CLOSE})
+    #: records the loop handles between two pumps, at most (see `_take`)
+    records_a_pump = 4096
 
     def __init__(self, spec: StageSpec, stop: threading.Event) -> None:
         super().__init__(spec, stop)
@@ -192,7 +193,7 @@ class QueuedStage(Stage):
             items = [self.inbox.get(timeout=timeout)[2]]
         except queue.Empty:
             return []
-        while len(items) < MAX_RECORDS_A_PUMP:
+        while len(items) < self.records_a_pump:
             try:
                 items.append(self.inbox.get_nowait()[2])
             except queue.Empty:
