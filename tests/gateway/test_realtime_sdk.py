@@ -370,7 +370,7 @@ async def test_keys_client_secrets_and_their_sessions(base, make_speech) -> None
 
 
 async def test_speech_endpoint_streams_before_synthesis_ends(base) -> None:
-    text = "The quick brown fox jumps over the lazy dog. " * 6
+    text = "The quick brown fox jumps over the lazy dog. " * 40
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as http:
         t0 = time.monotonic()
         async with http.post(
