@@ -4,9 +4,10 @@ Replies are interleaved a block at a time: each turn of the model loop takes the
 (one streamed block of a neural voice) of the reply least far ahead of its playback, so one
 caller's long phrase never holds up another caller's first audio. A voice that batches
 (SpeechT5) instead steps every reply that is not far enough ahead in one decoder pass, up to
-`vocoder.batch` of them: on a GPU that costs about what one reply costs. A cancel reaches the voice
-itself: its `stop()` asks the session's epoch every decoder step, so the engine stops before the
-CANCEL record is even read. `vocoder.replicas` runs several of these processes (stages.rings).
+`vocoder.batch` of them: on a GPU that costs about what one reply costs. A cancel reaches the
+voice itself: its `stop()` asks the session's epoch every decoder step, so the engine stops
+before the CANCEL record is even read. `vocoder.replicas` runs several of these processes
+(stages.rings).
 """
 
 from __future__ import annotations

@@ -45,10 +45,9 @@ class Utterance:
 def decode(
     model: Any, speaker: torch.Tensor, utterances: Sequence[Utterance], steps: int, threshold: float
 ) -> None:
-    """Advance every unfinished utterance by up to ``steps`` decoder steps, all in one batch.
-
-    An utterance's first step runs on its own (it fills its cross-attention cache); the batch
-    then takes ``steps`` more. Call under ``torch.inference_mode()``.
+    """Advance every unfinished utterance by up to ``steps`` decoder steps, all in one batch
+    (one more for an utterance just begun: its first step runs on its own, to fill its
+    cross-attention cache). Call under ``torch.inference_mode()``.
     """
     live = [u for u in utterances if not _check_stop(u)]
     for u in live:
