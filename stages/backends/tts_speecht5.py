@@ -276,10 +276,10 @@ class SpeechT5Voice:
         """The next block of int16 audio of each stream (empty while a block is still short of
         its right context), the streams' decoder steps run as one batch.
 
-        A block is `stream_steps` decoder steps (one more for a piece's first). Every block the
-        post-net runs over the spectrogram so far (a few 5-wide convolutions: cheap) and
-        HiFi-GAN turns the frames that have their right context into audio, with some frames of
-        left context whose samples are dropped, so block edges do not click. A piece's last
+        A block is `stream_steps` decoder steps (one more for a piece's first). Every block
+        HiFi-GAN turns the frames that have their right context into audio (through the
+        post-net, run over only the frames it needs), with some frames of left context whose
+        samples are dropped, so block edges do not click. A piece's last
         block takes everything. A stream is `done` after its last block or once stopped.
         """
         import torch
@@ -355,7 +355,7 @@ class SpeechT5Voice:
         start = stream.vocoded - left
         window = max(0, start - self._postnet_reach)
         stream.vocoded = ready
-        return _Segment(utterance, window, start - window, left, total - ready)
+        return _Segment(utterance, window, total - window, start - window, left, total - ready)
 
     def _vocode(self, due: list[tuple[int, _Segment]]) -> Iterator[tuple[int, np.ndarray]]:
         """Audio of each due segment. Segments of one shape (every stream in mid-phrase is
@@ -408,19 +408,20 @@ class PhraseStream:
 
 @dataclass(frozen=True)
 class _Segment:
-    """Frames of an utterance to vocode: from ``window`` its post-net input, ``offset`` frames
-    further the vocoder's, whose first ``left`` and last ``right`` frames are only context."""
+    """Frames of an utterance to vocode: from ``window`` its post-net input (``length`` frames),
+    ``offset`` frames further the vocoder's, whose first ``left`` and last ``right`` frames are
+    only context."""
 
     utterance: Utterance
     window: int
+    length: int  # of the post-net's input
     offset: int
     left: int
     right: int
 
     @property
     def shape(self) -> tuple[int, ...]:
-        frames = self.utterance.steps * self.utterance.frames[0].size(1)
-        return (frames - self.window, self.offset, self.left, self.right)
+        return (self.length, self.offset, self.left, self.right)
 
 
 _EMPTY = np.zeros(0, dtype=np.int16)
