@@ -518,6 +518,9 @@ async def _measure_loads(
     return out
 
 
+GPU_SHARING = ("time-slice", "mps")  # stages.config.PipelineConfig.gpu_sharing
+
+
 @dataclass(frozen=True)
 class Vocoders:
     """A vocoder variant to run: processes, and replies each steps together (REPLICASxBATCH)."""
@@ -541,8 +544,21 @@ class Vocoders:
         return f"{self.replicas}x{self.batch}"
 
 
+def _sharings(text: str) -> list[str]:
+    sharings = [v for v in text.split(",") if v]
+    for v in sharings:
+        if v not in GPU_SHARING:
+            raise argparse.ArgumentTypeError(f"gpu sharing {v!r}: one of {', '.join(GPU_SHARING)}")
+    return sharings
+
+
 def layout_config(
-    name: str, models: Any, gpu_count: int, device: str, vocoders: Vocoders | None = None
+    name: str,
+    models: Any,
+    gpu_count: int,
+    device: str,
+    vocoders: Vocoders | None = None,
+    sharing: str | None = None,
 ) -> tuple[Any, list[str]]:
     """The layout's configuration with the built models' folders; notes on what was changed."""
     from gateway.config import GatewayConfig, load_config
@@ -564,6 +580,9 @@ def layout_config(
             f"vocoder.replicas: {vocoders.replicas}, vocoder.batch: {vocoders.batch} "
             "(from the command line)"
         )
+    if sharing is not None:
+        overrides["gpu_sharing"] = sharing
+        notes.append(f"gpu_sharing: {sharing} (from the command line)")
     if name == "tp2" and gpu_count == 2:
         overrides["encoder.gpus"] = overrides["vocoder.gpus"] = [1]
         notes.append("only 2 GPUs: encoder and vocoder share GPU 1 with vLLM's second shard")
@@ -585,11 +604,16 @@ def layout_config(
 
 
 def run_layout(
-    name: str, vocoders: Vocoders | None, models: Any, speech: np.ndarray, args: argparse.Namespace
+    name: str,
+    vocoders: Vocoders | None,
+    sharing: str | None,
+    models: Any,
+    speech: np.ndarray,
+    args: argparse.Namespace,
 ) -> dict:
     from stages.supervisor import Supervisor
 
-    config, notes = layout_config(name, models, args.gpu_count, args.device, vocoders)
+    config, notes = layout_config(name, models, args.gpu_count, args.device, vocoders, sharing)
     out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
     t0 = time.monotonic()
     with Supervisor(config) as supervisor:
@@ -707,6 +731,13 @@ def main(argv: list[str] | None = None) -> int:
         "processes stepping one reply at a time, one process stepping up to 8 together); "
         "default: as each layout's file says",
     )
+    parser.add_argument(
+        "--gpu-sharing",
+        type=_sharings,
+        default=[None],
+        help="GPU sharing variants to run side by side: time-slice,mps (CUDA MPS daemon run by "
+        "the supervisor); default: as each layout's file says",
+    )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
@@ -735,11 +766,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"models ready in {results['models']['build_s']} s")
     speech = caller_speech()
     results["caller_speech_s"] = round(len(speech) / 48000, 2)
-    for name, vocoders in itertools.product(layouts, args.vocoders):
-        key = name if vocoders is None else f"{name} {vocoders}"
+    for name, vocoders, sharing in itertools.product(layouts, args.vocoders, args.gpu_sharing):
+        key = " ".join(str(part) for part in (name, vocoders, sharing) if part is not None)
         log(f"layout {key}: {LAYOUT_CONFIGS[name]}")
         try:
-            results["layouts"][key] = run_layout(name, vocoders, models, speech, args)
+            results["layouts"][key] = run_layout(name, vocoders, sharing, models, speech, args)
         except Exception as exc:  # the other layouts still run; the failure is reported
             log(f"layout {key} failed: {type(exc).__name__}: {exc}")
             results["layouts"][key] = {"error": f"{type(exc).__name__}: {exc}"}

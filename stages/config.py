@@ -183,6 +183,11 @@ class PipelineConfig(Strict):
     """Everything the supervisor needs to run the three stages."""
 
     max_sessions: int = Field(64, ge=1, le=4096)
+    gpu_sharing: Literal["time-slice", "mps"] = Field(
+        "time-slice",
+        description="how stages on one GPU share it: CUDA's default time slices, or a CUDA MPS "
+        "daemon the supervisor runs for them (their kernels run side by side; stages.mps)",
+    )
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
     vocoder: VocoderConfig = Field(default_factory=VocoderConfig)

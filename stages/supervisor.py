@@ -15,13 +15,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shm import reap_stale
 from stages.config import PipelineConfig
 from stages.messages import Error, SessionClose
-from stages.placement import StagePlacement, plan
+from stages.mps import MpsDaemon
+from stages.placement import StagePlacement, plan, wants_gpus
 from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet, role_of
 from stages.worker import StageSpec, stage_main
 
@@ -90,6 +91,7 @@ class Supervisor:
         # by instance: 'encoder', 'reasoning', 'vocoder' and the vocoder's replicas
         self.stages = {name: StageProcess(name) for name in self.names.stages}
         self.placements: dict[str, StagePlacement] = {}
+        self.mps: MpsDaemon | None = None
         self.on_restart = on_restart
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -108,6 +110,8 @@ class Supervisor:
             progress(f"reaped {len(reaped)} shared-memory segments left by a dead process")
         self.rings = RingSet(self.names, self.config)
         try:
+            if self.config.gpu_sharing == "mps":
+                self._start_mps(progress)
             for stage in self.stages.values():
                 self._spawn(stage)
             self._wait_ready(list(self.stages.values()), progress)
@@ -116,6 +120,17 @@ class Supervisor:
             raise
         self._watcher = threading.Thread(target=self._watch, name="stage-watcher", daemon=True)
         self._watcher.start()
+
+    def _start_mps(self, progress: Progress) -> None:
+        """Run a CUDA MPS daemon for the stages and point every stage process at it."""
+        if not wants_gpus(self.config):
+            progress("gpu_sharing: mps has nothing to share: no stage is placed on a GPU")
+            return
+        self.mps = MpsDaemon.start()
+        progress(f"gpu sharing: CUDA MPS (control daemon pid {self.mps.process.pid})")
+        self.placements = {
+            role: replace(p, env={**p.env, **self.mps.env}) for role, p in self.placements.items()
+        }
 
     def _spawn(self, stage: StageProcess) -> None:
         parent, child = _ctx.Pipe(duplex=False)
@@ -284,6 +299,9 @@ class Supervisor:
         if self.rings is not None:
             self.rings.close()
             self.rings = None
+        if self.mps is not None:  # after the stages: their contexts go first
+            self.mps.stop()
+            self.mps = None
 
     def __enter__(self) -> Supervisor:
         return self

@@ -182,3 +182,14 @@ def test_vocoder_variants_can_be_set_for_a_comparison(capsys) -> None:
         with pytest.raises(SystemExit):
             main(["--vocoders", bad])
         assert "vocoder variant" in capsys.readouterr().err
+
+
+def test_gpu_sharing_variants_can_be_set_for_a_comparison(capsys) -> None:
+    config, notes = layout_config("one", MODELS, gpu_count=1, device="cuda", sharing="mps")
+    assert config.gpu_sharing == "mps"
+    assert "gpu_sharing: mps" in notes[-1]
+    config, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
+    assert config.gpu_sharing == "time-slice"  # configs/gpu-one.yaml
+    with pytest.raises(SystemExit):
+        main(["--gpu-sharing", "mps,shared"])
+    assert "gpu sharing 'shared'" in capsys.readouterr().err

@@ -1,0 +1,54 @@
+"""A periodic log line on a batching model's passes: how full they were and what they took.
+
+A pass that takes longer than the work it does is worth (the audio a vocoder pass makes, the
+turn end a recognizer pass answers) means callers wait; this line is where that shows first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class PassLog:
+    """`add(items, took_s, **extra_s)` after every pass; every `every_s` one line says how many
+    passes ran, `items` a pass, milliseconds a pass, and each extra (seconds) per pass."""
+
+    def __init__(self, what: str, items: str, every_s: float = 10.0) -> None:
+        self.what, self.items, self.every_s = what, items, every_s
+        self._lock = threading.Lock()  # passes may end on several threads
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.since, self.count, self.carried, self.total_s, self.max_s = now, 0, 0, 0.0, 0.0
+        self.extra_s: dict[str, float] = {}
+
+    def add(self, items: int, took_s: float, **extra_s: float) -> None:
+        with self._lock:
+            self.count += 1
+            self.carried += items
+            self.total_s += took_s
+            self.max_s = max(self.max_s, took_s)
+            for key, seconds in extra_s.items():
+                self.extra_s[key] = self.extra_s.get(key, 0.0) + seconds
+            now = time.monotonic()
+            if now - self.since < self.every_s:
+                return
+            extras = "".join(
+                f", {key} {1000 * s / self.count:.1f} ms" for key, s in self.extra_s.items()
+            )
+            logger.info(
+                "%s: %d passes in %.0f s, %.1f %s a pass, %.1f ms a pass (max %.1f)%s",
+                self.what,
+                self.count,
+                now - self.since,
+                self.carried / self.count,
+                self.items,
+                1000 * self.total_s / self.count,
+                1000 * self.max_s,
+                extras,
+            )
+            self._reset(now)
