@@ -24,6 +24,7 @@ import numpy as np
 from stages.backends.speech import Voice, split_pcm16
 from stages.config import VocoderConfig
 from stages.messages import AudioDone, Kind, Phrase
+from stages.passlog import PassLog
 from stages.phrases import PhraseSplitter
 from stages.rings import GATEWAY
 from stages.worker import Inbound, QueuedStage
@@ -93,35 +94,6 @@ class BatchingVoice(Voice, Protocol):
     def advance(self, streams: Sequence[PhraseStream]) -> list[np.ndarray]: ...
 
 
-class PassLog:
-    """Logs, every `every_s`, how many replies a batching voice's passes carried and what they
-    took: a pass that takes longer than the audio it makes means callers wait for speech."""
-
-    def __init__(self, every_s: float = 10.0) -> None:
-        self.every_s = every_s
-        self._reset(time.monotonic())
-
-    def _reset(self, now: float) -> None:
-        self.since, self.count, self.replies, self.total_s, self.max_s = now, 0, 0, 0.0, 0.0
-
-    def add(self, replies: int, took_s: float) -> None:
-        self.count += 1
-        self.replies += replies
-        self.total_s += took_s
-        self.max_s = max(self.max_s, took_s)
-        now = time.monotonic()
-        if now - self.since >= self.every_s:
-            logger.info(
-                "vocoder: %d passes in %.0f s, %.1f replies a pass, %.1f ms a pass (max %.1f)",
-                self.count,
-                now - self.since,
-                self.replies / self.count,
-                1000 * self.total_s / self.count,
-                1000 * self.max_s,
-            )
-            self._reset(now)
-
-
 class VocoderStage(QueuedStage):
     name = "vocoder"
 
@@ -132,7 +104,7 @@ class VocoderStage(QueuedStage):
         self.batching: BatchingVoice | None = (
             self.voice if hasattr(self.voice, "advance") else None  # type: ignore[assignment]
         )
-        self.passes = PassLog()
+        self.passes = PassLog("vocoder", "replies")
         logger.info(
             "vocoder: %s at %d Hz ready in %.1f s",
             self.voice.name,

@@ -34,6 +34,7 @@ from stages.backends.speech import (
     warn_if_random_weights,
 )
 from stages.backends.speech import torch_device as load_device
+from stages.passlog import PassLog
 
 if TYPE_CHECKING:
     import torch
@@ -174,6 +175,10 @@ class WhisperRecognizer:
         self._waiting_lock = threading.Lock()
         self._waiting: list[_Decode] = []
         self.max_batch = max_batch
+        device = model.device
+        self._feature_device = "cpu" if device.type == "cpu" else str(device)
+        # every 10 s: windows a batch, ms a batch, and the feature and queueing time a window
+        self.passes = PassLog("whisper", "windows")
         self._generation_config = copy.deepcopy(model.generation_config)
         self._generate_kwargs: dict[str, Any] = {}
         if max_new_tokens is not None:
@@ -192,10 +197,16 @@ class WhisperRecognizer:
     def transcribe(self, pcm16: np.ndarray) -> str:
         """Transcribe up to one window of 16 kHz int16 audio (thread-safe; batched with the
         decodes other threads ask for meanwhile)."""
+        started = time.perf_counter()
+        # the log-mel spectrogram on the model's device: on the CPU it took longer than the
+        # decode itself under load (a 30 s window's STFT, on every waiting thread at once)
         features = self._processor.feature_extractor(
-            pcm16_to_float(pcm16), sampling_rate=ASR_SAMPLE_RATE, return_tensors="pt"
+            pcm16_to_float(pcm16),
+            sampling_rate=ASR_SAMPLE_RATE,
+            return_tensors="pt",
+            device=self._feature_device,
         ).input_features
-        request = _Decode(features)
+        request = _Decode(features, started)
         with self._waiting_lock:
             self._waiting.append(request)
         while not request.done:
@@ -213,6 +224,7 @@ class WhisperRecognizer:
     def _decode(self, batch: list[_Decode]) -> None:
         import torch
 
+        started = time.perf_counter()
         try:
             features = torch.cat([r.features for r in batch])
             features = features.to(self._model.device, self._model.dtype)
@@ -229,6 +241,12 @@ class WhisperRecognizer:
         finally:
             for request in batch:
                 request.done = True
+            self.passes.add(
+                len(batch),
+                time.perf_counter() - started,
+                features=sum(r.queued - r.asked for r in batch) / len(batch),
+                waited=sum(started - r.queued for r in batch) / len(batch),
+            )
 
     def _language_code(self, language: str) -> str:
         from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
@@ -247,10 +265,12 @@ class WhisperRecognizer:
 class _Decode:
     """One window waiting to be decoded, and its outcome."""
 
-    __slots__ = ("done", "error", "features", "text")
+    __slots__ = ("asked", "done", "error", "features", "queued", "text")
 
-    def __init__(self, features: Any) -> None:
+    def __init__(self, features: Any, asked: float) -> None:
         self.features = features
+        self.asked = asked  # perf_counter when transcribe was called
+        self.queued = time.perf_counter()  # features ready
         self.text = ""
         self.error: Exception | None = None
         self.done = False

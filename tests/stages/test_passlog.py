@@ -19,7 +19,6 @@ def test_a_line_averages_the_passes_of_its_period(caplog: pytest.LogCaptureFixtu
         log.add(2, 0.200, waited=0.020)
     (record,) = caplog.records
     assert record.getMessage() == (
-        "whisper: 3 passes in 0 s, 2.0 windows a pass, 200.0 ms a pass (max 300.0), "
-        "waited 20.0 ms"
+        "whisper: 3 passes in 0 s, 2.0 windows a pass, 200.0 ms a pass (max 300.0), waited 20.0 ms"
     )
     assert log.count == 0  # a new period starts
