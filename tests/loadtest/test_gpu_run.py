@@ -177,7 +177,7 @@ def test_vocoder_variants_can_be_set_for_a_comparison(capsys) -> None:
     assert (config.vocoder.replicas, config.vocoder.batch) == (4, 1)
     assert "vocoder.replicas: 4, vocoder.batch: 1" in notes[-1]
     config, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
-    assert (config.vocoder.replicas, config.vocoder.batch) == (4, 8)  # configs/gpu-one.yaml
+    assert (config.vocoder.replicas, config.vocoder.batch) == (1, 8)  # configs/gpu-one.yaml
     for bad in ("4", "4x", "0x8", "1x65"):
         with pytest.raises(SystemExit):
             main(["--vocoders", bad])
@@ -185,11 +185,11 @@ def test_vocoder_variants_can_be_set_for_a_comparison(capsys) -> None:
 
 
 def test_gpu_sharing_variants_can_be_set_for_a_comparison(capsys) -> None:
-    config, notes = layout_config("one", MODELS, gpu_count=1, device="cuda", sharing="mps")
-    assert config.gpu_sharing == "mps"
-    assert "gpu_sharing: mps" in notes[-1]
+    config, notes = layout_config("one", MODELS, 1, "cuda", sharing="time-slice")
+    assert config.gpu_sharing == "time-slice"
+    assert "gpu_sharing: time-slice" in notes[-1]
     config, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
-    assert config.gpu_sharing == "time-slice"  # configs/gpu-one.yaml
+    assert config.gpu_sharing == "mps"  # configs/gpu-one.yaml
     with pytest.raises(SystemExit):
         main(["--gpu-sharing", "mps,shared"])
     assert "gpu sharing 'shared'" in capsys.readouterr().err
