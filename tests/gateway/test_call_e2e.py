@@ -196,11 +196,20 @@ async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> No
     proc = ctx.Process(target=_callers_process, args=(base, 10, speech, child))
     proc.start()
     frame_log: dict[str, list[float]] = {}
+    server_view: dict[str, dict[str, object]] = {}  # what the gateway saw of each call
 
     async def snapshot_server_frames() -> None:
         while True:  # the calls vanish when the callers hang up: keep copies as they run
             for cid, call in list(gateway.calls.items()):
                 frame_log[cid] = list(call.frame_arrivals)
+                server_view[cid] = {
+                    "frames_in": call.audio_in_frames,
+                    "turns": call.turn_id,
+                    "awaiting_transcript": sorted(call.awaiting_transcript),
+                    "items": len(call.items),
+                    "said": call.items.history(),  # items with text: (role, text)
+                    "responding": call.response is not None,
+                }
             await asyncio.sleep(0.1)
 
     watcher = asyncio.create_task(snapshot_server_frames())
@@ -215,8 +224,8 @@ async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> No
         if proc.is_alive():
             proc.kill()
     failures = zip(report["call_ids"], report["failures"], strict=True)
-    missing = {cid: why for cid, why in failures if why}
-    assert not missing, f"callers without a reply: {missing}"
+    missing = {cid: (why, server_view.get(cid)) for cid, why in failures if why}
+    assert not missing, f"callers without a reply (and the gateway's view): {missing}"
     start, end = report["window"]
     gaps_in = [
         worst_gap_ms(frame_log[cid], start, end) for cid in report["call_ids"] if cid in frame_log
