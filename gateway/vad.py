@@ -34,6 +34,8 @@ __all__ = [
     "FRAME_MS",
     "FRAME_SAMPLES",
     "SAMPLE_RATE",
+    "SpeechPaused",
+    "SpeechResumed",
     "SpeechStarted",
     "SpeechStopped",
     "TurnDetector",
@@ -78,7 +80,22 @@ class SpeechStopped:
     speech_end_ms: int
 
 
-VadEvent = SpeechStarted | SpeechStopped
+@dataclass(frozen=True, slots=True)
+class SpeechPaused:
+    """The caller has been quiet for `pause_ms` inside a turn: the turn may be over. The reply
+    can be prepared now, and is either wanted (SpeechStopped follows) or not (SpeechResumed)."""
+
+    speech_end_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechResumed:
+    """Speech again after a SpeechPaused, before the turn ended: the same turn goes on."""
+
+    speech_ms: int  # end of the voiced run that counted as speech again
+
+
+VadEvent = SpeechStarted | SpeechStopped | SpeechPaused | SpeechResumed
 
 
 def aggressiveness_for(threshold: float) -> int:
@@ -99,13 +116,19 @@ class TurnDetector:
         onset_ms: int = 60,
         min_level_dbfs: float = -60.0,
         noise_margin_db: float = 10.0,
+        pause_ms: int = 0,
     ) -> None:
+        """`pause_ms`: silence inside a turn after which SpeechPaused is reported (0: never;
+        only a value under `silence_duration_ms` ever fires)."""
         self._vad = webrtcvad.Vad()
         self._frames_fed = 0
         self._noise_floor_dbfs: float | None = None
         self._ring: collections.deque[np.ndarray] = collections.deque()
         self.min_level_dbfs = min_level_dbfs
         self.noise_margin_db = noise_margin_db
+        if pause_ms < 0:
+            raise ValueError(f"pause_ms must be >= 0, got {pause_ms}")
+        self.pause_ms = pause_ms
         self.update(
             threshold=threshold,
             prefix_padding_ms=prefix_padding_ms,
@@ -147,6 +170,7 @@ class TurnDetector:
         self._ring.clear()
         self._voiced_run = 0
         self._in_speech = False
+        self._paused = False
         self._speech_end_ms = 0
 
     @property
@@ -210,8 +234,19 @@ class TurnDetector:
 
         if self._voiced_run >= self._onset_frames:
             self._speech_end_ms = frame_end_ms
+            if self._paused:
+                self._paused = False
+                return [SpeechResumed(frame_end_ms)]
         elif frame_end_ms - self._speech_end_ms >= self.silence_duration_ms:
             self._in_speech = False
+            self._paused = False
             self._voiced_run = 0
             return [SpeechStopped(frame_end_ms, self._speech_end_ms)]
+        elif (
+            self.pause_ms
+            and not self._paused
+            and frame_end_ms - self._speech_end_ms >= self.pause_ms
+        ):
+            self._paused = True
+            return [SpeechPaused(self._speech_end_ms)]
         return []

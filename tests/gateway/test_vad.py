@@ -11,6 +11,8 @@ import pytest
 from gateway.vad import (
     FRAME_MS,
     FRAME_SAMPLES,
+    SpeechPaused,
+    SpeechResumed,
     SpeechStarted,
     SpeechStopped,
     TurnDetector,
@@ -123,6 +125,27 @@ def test_two_turns_when_the_pause_is_longer(sentence: np.ndarray) -> None:
     pcm = with_silence(np.concatenate([sentence, pause, sentence]), 500, 1000, 30.0, seed=4)
     kinds = [type(e) for _, e in run(TurnDetector(silence_duration_ms=500), pcm)]
     assert kinds == [SpeechStarted, SpeechStopped, SpeechStarted, SpeechStopped]
+
+
+def test_a_pause_is_reported_early_then_resumed_or_ended(sentence: np.ndarray) -> None:
+    pause = np.zeros(350 * RATE // 1000, np.int16)
+    pcm = with_silence(np.concatenate([sentence, pause, sentence]), 500, 1000, 30.0, seed=3)
+    events = run(TurnDetector(silence_duration_ms=500, pause_ms=200), pcm)
+    kinds = [type(e) for _, e in events]
+    # one turn; inside it every pause of 200 ms or more (the 350 ms one, and the sentence's
+    # own, at its comma) is reported and then resumed; the last one ends the turn 300 ms later
+    assert kinds[0] is SpeechStarted and kinds[-2:] == [SpeechPaused, SpeechStopped]
+    inside = kinds[1:-2]
+    assert len(inside) >= 2 and inside == [SpeechPaused, SpeechResumed] * (len(inside) // 2)
+    (paused_at, paused), (stopped_at, stopped) = events[-2:]
+    assert paused.speech_end_ms == stopped.speech_end_ms  # the same end of speech
+    assert paused_at - paused.speech_end_ms == 200
+    assert stopped_at - paused_at == 300
+    # without pause_ms, the same audio gives only the turn
+    kinds = [type(e) for _, e in run(TurnDetector(silence_duration_ms=500), pcm)]
+    assert kinds == [SpeechStarted, SpeechStopped]
+    with pytest.raises(ValueError, match="pause_ms"):
+        TurnDetector(pause_ms=-1)
 
 
 @pytest.mark.parametrize("noise", [0.0, 10.0, 30.0, 100.0])
