@@ -160,6 +160,7 @@ class Gateway:
             config,
             on_closed=self._forget,
             hold_on_voice=self.config.gateway.barge_in_hold,
+            prepare_reply_ms=self.config.gateway.prepare_reply_ms,
         )
         self.calls[call.call_id] = call
         self.by_session[session] = call

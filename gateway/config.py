@@ -80,6 +80,15 @@ class GatewayConfig(Strict):
         "barge-in is heard to stop that much sooner; a false start costs a moment of silence, "
         "nothing is dropped",
     )
+    prepare_reply_ms: int = Field(
+        0,
+        ge=0,
+        le=5000,
+        description="silence inside a turn after which the stages start on the reply (final "
+        "transcript, first tokens) while the VAD waits out silence_duration_ms; held back until "
+        "the turn ends, dropped if the caller goes on. 0: off; only values under "
+        "silence_duration_ms do anything",
+    )
     turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
 

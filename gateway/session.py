@@ -41,7 +41,7 @@ from gateway.protocol import (
     parse_response_create,
 )
 from gateway.resample import CALLER_RATE, Upsampler
-from gateway.vad import SpeechStarted, SpeechStopped, TurnDetector
+from gateway.vad import SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped, TurnDetector
 from stages.link import PipelineLink, SpokenTracker, StageEvent
 from stages.messages import Kind, SessionSettings
 from stages.rings import STAGES
@@ -126,9 +126,12 @@ class RealtimeSession:
         config: SessionConfig,
         on_closed: Callable[[RealtimeSession], None],
         hold_on_voice: bool = True,
+        prepare_reply_ms: int = 0,
     ) -> None:
         """`hold_on_voice`: silence the agent from the caller's first voiced frame until the
-        VAD decides whether they are talking over it (GatewayConfig.barge_in_hold)."""
+        VAD decides whether they are talking over it (GatewayConfig.barge_in_hold).
+        `prepare_reply_ms`: silence inside a turn after which the stages start on the reply,
+        held until the turn ends (GatewayConfig.prepare_reply_ms; 0: off)."""
         self.call_id = call_id
         self.hold_on_voice = hold_on_voice
         self.link = link
@@ -141,9 +144,14 @@ class RealtimeSession:
         self.log = CallLog(logger, {"call": call_id, "session": session})
         td = config.turn_detection
         self.vad = (
-            TurnDetector(td.threshold, td.prefix_padding_ms, td.silence_duration_ms)
+            TurnDetector(
+                td.threshold,
+                td.prefix_padding_ms,
+                td.silence_duration_ms,
+                pause_ms=prepare_reply_ms,
+            )
             if td
-            else TurnDetector()
+            else TurnDetector(pause_ms=prepare_reply_ms)
         )
         self.chunker = Chunker()
         self.items = Conversation()
@@ -229,6 +237,13 @@ class RealtimeSession:
             elif isinstance(vad_event, SpeechStopped):
                 self._speech_stopped(vad_event.audio_end_ms, self._td_create_response())
                 return
+            elif isinstance(vad_event, SpeechPaused):
+                # the encoder transcribes what it has: everything the caller said, up to now
+                if (rest := self.chunker.flush()) is not None:
+                    self.link.send_audio(self.session, rest)
+                self.link.turn_paused(self.session, self.turn_id, self._td_create_response())
+            elif isinstance(vad_event, SpeechResumed):
+                self.link.turn_resumed(self.session, self.turn_id)
         self._hold_for_barge_in()
         if self.vad.in_speech:
             for chunk in self.chunker.push(frame):

@@ -2,13 +2,18 @@
 
 The model loop only routes: recognition runs on per-session lanes (stages.lanes), so a CANCEL is
 acknowledged at once while another session's turn is still being decoded.
+
+At a TURN_PAUSED the turn so far is transcribed (a backend whose stream can `peek`) and sent to
+reasoning, which starts the reply on it; audio after the pause is held back. If the turn then
+ends, that transcript is the final one, with no decode left to do; if the caller goes on
+(TURN_RESUMED), reasoning drops its start and the held audio is decoded.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,7 +21,7 @@ import numpy as np
 from stages.backends.speech import RecognizerStream, SpeechRecognizer
 from stages.config import EncoderConfig
 from stages.lanes import SessionLanes
-from stages.messages import Kind, SpeechStopped, Transcript
+from stages.messages import Kind, SpeechStopped, Transcript, TurnResumed
 from stages.rings import GATEWAY
 from stages.worker import Inbound, QueuedStage
 
@@ -52,6 +57,12 @@ class Turn:
     stopped_ns: int = 0  # stamp of the SPEECH_STOPPED record that ends the turn
     # recognizer time after that stamp: the audio still being decoded, then the final decode
     model_after_stop_ns: int = 0
+    # set at a TURN_PAUSED: the transcript of the turn so far, sent to reasoning to start on;
+    # the final one if the turn ends before the caller says more
+    early_text: str | None = None
+    # audio after the pause (silence, as far as the VAD is concerned): fed only if the caller
+    # goes on, so that an early transcript stays the turn's final one
+    held: list[np.ndarray] = field(default_factory=list)
 
 
 class EncoderStage(QueuedStage):
@@ -95,6 +106,11 @@ class EncoderStage(QueuedStage):
             if turn is not None:
                 turn.stopped_ns = item.t_ns
             self.lanes.submit(s, lambda: self._finish(s, turn, item))
+        elif item.kind in (Kind.TURN_PAUSED, Kind.TURN_RESUMED):
+            turn = self.turns.get(s)
+            if turn is not None and turn.turn_id == item.msg.turn_id:
+                job = self._early if item.kind is Kind.TURN_PAUSED else self._resume
+                self.lanes.submit(s, lambda: job(s, turn, item))
         elif item.kind is Kind.CANCEL:
             # stale audio is gone from the ring already; a turn begun before the cancel is
             # dropped, the speech that caused it (newer epoch) is kept
@@ -132,6 +148,9 @@ class EncoderStage(QueuedStage):
     def _feed(self, session: int, turn: Turn, pcm: np.ndarray) -> None:
         if turn.dropped:
             return
+        if turn.early_text is not None:
+            turn.held.append(pcm)
+            return
         t0 = time.monotonic_ns()
         partial = self._stream(turn).feed(pcm)
         self._count_model_time(turn, t0)
@@ -152,16 +171,47 @@ class EncoderStage(QueuedStage):
                 0, time.monotonic_ns() - max(started_ns, turn.stopped_ns)
             )
 
+    def _early(self, session: int, turn: Turn, item: Inbound) -> None:
+        """At a pause: transcribe the turn so far and let reasoning start on it."""
+        if turn.dropped or turn.early_text is not None:
+            return
+        peek = getattr(self._stream(turn), "peek", None)
+        if peek is None:  # this backend cannot transcribe a turn that goes on
+            return
+        t0 = time.monotonic_ns()
+        turn.early_text = peek()
+        self._count_model_time(turn, t0)  # a turn that ended meanwhile waits for it
+        early = Transcript(
+            turn.turn_id,
+            turn.early_text,
+            final=True,
+            create_response=item.msg.create_response,
+            speculative=True,
+        )
+        self.send("reasoning", session, early, epoch=turn.epoch)
+
+    def _resume(self, session: int, turn: Turn, item: Inbound) -> None:
+        """The caller went on: reasoning drops its early start, the held audio is decoded."""
+        if turn.dropped or turn.early_text is None:
+            return
+        turn.early_text = None
+        self.send("reasoning", session, TurnResumed(turn.turn_id), epoch=turn.epoch)
+        held, turn.held = turn.held, []
+        for pcm in held:
+            self._feed(session, turn, pcm)
+
     def _finish(self, session: int, turn: Turn | None, item: Inbound) -> None:
         msg: SpeechStopped = item.msg
         text, decode_ns = "", 0
         if turn is not None:
             try:
-                if not turn.dropped:
+                if turn.early_text is not None:  # nothing said since: the early one it is
+                    text = "" if turn.dropped else turn.early_text
+                elif not turn.dropped:
                     t0 = time.monotonic_ns()
                     text = self._stream(turn).finish()
                     self._count_model_time(turn, t0)
-                    decode_ns = turn.model_after_stop_ns
+                decode_ns = turn.model_after_stop_ns
             finally:
                 self._close(turn)
         final = Transcript(

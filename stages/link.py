@@ -35,6 +35,8 @@ from stages.messages import (
     SpeechStopped,
     TextDelta,
     Truncate,
+    TurnPaused,
+    TurnResumed,
     decode,
 )
 from stages.rings import GATEWAY, STAGES, RingNames, attach_ends
@@ -151,6 +153,14 @@ class PipelineLink:
         t = time.monotonic_ns()
         self._send("encoder", session, SpeechStopped(turn_id, audio_end_ms, create_response))
         return t
+
+    def turn_paused(self, session: int, turn_id: int, create_response: bool = True) -> None:
+        """The caller paused: the stages may prepare the reply, held until the turn ends."""
+        self._send("encoder", session, TurnPaused(turn_id, create_response))
+
+    def turn_resumed(self, session: int, turn_id: int) -> None:
+        """The caller went on after a pause: drop what was prepared."""
+        self._send("encoder", session, TurnResumed(turn_id))
 
     # -- replies ---------------------------------------------------------------------------
 

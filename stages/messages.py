@@ -19,6 +19,8 @@ class Kind(enum.IntEnum):
     AUDIO_IN = 1  # raw PCM16 mono 16 kHz, usually 200 ms
     SPEECH_STARTED = 2
     SPEECH_STOPPED = 3
+    TURN_PAUSED = 4  # the caller paused: prepare the reply, hold it until SPEECH_STOPPED
+    TURN_RESUMED = 5  # ... or drop it: the caller went on (encoder -> reasoning too)
     # encoder -> gateway, encoder -> reasoning
     TRANSCRIPT = 10
     # gateway -> reasoning
@@ -57,6 +59,19 @@ class SpeechStopped(Msg):
     create_response: bool = True
 
 
+class TurnPaused(Msg):
+    """The caller paused mid-turn (gateway.prepare_reply_ms of silence): the encoder
+    transcribes the turn so far and reasoning starts on it, both held back until the turn ends
+    (SPEECH_STOPPED) or dropped if it goes on (TURN_RESUMED)."""
+
+    turn_id: int
+    create_response: bool = True
+
+
+class TurnResumed(Msg):
+    turn_id: int
+
+
 class Transcript(Msg):
     turn_id: int
     text: str
@@ -67,6 +82,9 @@ class Transcript(Msg):
     # recognizer time after the SPEECH_STOPPED stamp: audio still being decoded, then the final
     # decode (model time on the path to the reply, for the pipeline overhead)
     decode_ns: int = 0
+    # encoder -> reasoning only: the turn so far at a TURN_PAUSED, to start the reply on; the
+    # final transcript (same text when the caller did not go on) commits it
+    speculative: bool = False
 
 
 class SessionOpen(Msg):
@@ -180,6 +198,8 @@ class Error(Msg):
 SCHEMAS: dict[Kind, type[Msg]] = {
     Kind.SPEECH_STARTED: SpeechStarted,
     Kind.SPEECH_STOPPED: SpeechStopped,
+    Kind.TURN_PAUSED: TurnPaused,
+    Kind.TURN_RESUMED: TurnResumed,
     Kind.TRANSCRIPT: Transcript,
     Kind.RESPONSE_CREATE: ResponseCreate,
     Kind.TRUNCATE: Truncate,

@@ -1,6 +1,10 @@
 """The reasoning stage: final transcripts in, text deltas out, from one vLLM engine for all
 sessions (continuous batching). Each session keeps its conversation; a cancelled reply is
-remembered only as far as the caller heard it."""
+remembered only as far as the caller heard it.
+
+A reply can start early, on the transcript of the turn so far when the caller pauses
+(gateway.prepare_reply_ms): its records are held back until the final transcript comes, then
+sent at once if the turn ended as it was, or the request is aborted if the caller went on."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from stages.messages import (
     Cancel,
     History,
     Kind,
+    Msg,
     ResponseCreate,
     ResponseDone,
     ResponseStarted,
@@ -55,10 +60,21 @@ class Conversation:
     max_messages: int
     messages: list[dict[str, str]] = field(default_factory=list)
 
-    def add(self, role: str, text: str) -> None:
-        if text:
-            self.messages.append({"role": role, "content": text})
-            del self.messages[: max(0, len(self.messages) - self.max_messages)]
+    def add(self, role: str, text: str) -> dict[str, str] | None:
+        """Append a message (none for empty text); returns it, to take it back by identity."""
+        if not text:
+            return None
+        message = {"role": role, "content": text}
+        self.messages.append(message)
+        del self.messages[: max(0, len(self.messages) - self.max_messages)]
+        return message
+
+    def take_back(self, message: dict[str, str] | None) -> None:
+        """Remove a message `add` returned (if the history still holds it)."""
+        for i, m in enumerate(self.messages):
+            if m is message:
+                del self.messages[i]
+                return
 
     def replace(self, history: History) -> None:
         self.messages = []
@@ -79,11 +95,26 @@ class Response:
     text: str = ""
     finished: bool = False
     recorded: bool = False  # its text is in the conversation (once, whoever stops it)
+    recorded_as: dict[str, str] | None = None  # the message that holds it
+    # an early reply's records, kept back until its turn ends (None: sent as they come)
+    held: list[tuple[str, Msg]] | None = None
 
     def record(self, conversation: Conversation, text: str) -> None:
         if not self.recorded:
             self.recorded = True
-            conversation.add("assistant", text)
+            self.recorded_as = conversation.add("assistant", text)
+
+
+@dataclass
+class EarlyReply:
+    """A reply started at the caller's pause, on the transcript of the turn so far: released
+    if the turn ends with the same transcript, dropped (request aborted, its user and any
+    assistant message taken back) if the caller goes on."""
+
+    turn_id: int
+    text: str
+    asked: dict[str, str] | None  # the user message it answers
+    response: Response
 
 
 @dataclass
@@ -91,6 +122,7 @@ class SessionState:
     conversation: Conversation
     settings: SessionSettings = field(default_factory=SessionSettings)
     response: Response | None = None
+    early: EarlyReply | None = None
 
 
 @dataclass(frozen=True)
@@ -198,14 +230,35 @@ class ReasoningStage(Stage):
             # another (or the session been closed and reopened), which it must not touch
             state = self.sessions.get(s)
             response = state.response if state else None
+            if state is not None and state.early is not None:  # never released: never heard
+                early, state.early = state.early, None
+                self._drop_early(s, state, early)
+                response = None if response is early.response else response
             self._spawn(self._cancel(s, state, response, item.msg), f"cancel-{s}")
         elif item.kind is Kind.TRANSCRIPT:
             msg: Transcript = item.msg
             state = self._state(s)
+            early, state.early = state.early, None
+            if msg.speculative:
+                if early is not None:
+                    self._drop_early(s, state, early)
+                self._start_early(s, state, msg, item.epoch)
+                return
+            if early is not None:
+                if (early.turn_id, early.text) == (msg.turn_id, msg.text) and msg.final:
+                    self._release(s, early.response)  # the turn ended as it was at the pause
+                    return
+                self._drop_early(s, state, early)
             state.conversation.add("user", msg.text)
             if msg.final and msg.text and msg.create_response:
                 options = ReplyOptions.of(state.settings)
                 self._start(s, state, f"resp_{s}_{msg.turn_id}", msg.turn_id, item.epoch, options)
+        elif item.kind is Kind.TURN_RESUMED:
+            state = self._state(s)
+            early = state.early
+            if early is not None and early.turn_id == item.msg.turn_id:
+                state.early = None
+                self._drop_early(s, state, early)
         elif item.kind is Kind.RESPONSE_CREATE:
             create: ResponseCreate = item.msg
             state = self._state(s)
@@ -219,6 +272,33 @@ class ReasoningStage(Stage):
             self._state(s).conversation.replace(item.msg)
         elif item.kind is Kind.SESSION_SETTINGS:
             self._state(s).settings = item.msg
+
+    # -- replies started early, at the caller's pause -----------------------------------------
+
+    def _start_early(self, session: int, state: SessionState, msg: Transcript, epoch: int) -> None:
+        if not (msg.text and msg.create_response) or state.response is not None:
+            return  # nothing to answer, or a reply still running that this must not stop
+        asked = state.conversation.add("user", msg.text)
+        response_id = f"resp_{session}_{msg.turn_id}"
+        options = ReplyOptions.of(state.settings)
+        self._start(session, state, response_id, msg.turn_id, epoch, options, held=True)
+        assert state.response is not None
+        state.early = EarlyReply(msg.turn_id, msg.text, asked, state.response)
+
+    def _release(self, session: int, response: Response) -> None:
+        """Send what an early reply made so far; from now on it streams as any reply does."""
+        held, response.held = response.held or [], None
+        for dst, msg in held:
+            self.send(dst, session, msg, epoch=response.epoch)
+
+    def _drop_early(self, session: int, state: SessionState, early: EarlyReply) -> None:
+        state.conversation.take_back(early.asked)
+        if early.response.recorded:  # it had finished: its answer goes too
+            state.conversation.take_back(early.response.recorded_as)
+        early.response.recorded = True  # and is never recorded now
+        if state.response is early.response:
+            state.response = None
+        self._spawn(self._stop(early.response), f"drop-early-{session}")
 
     def _state(self, session: int) -> SessionState:
         state = self.sessions.get(session)
@@ -238,9 +318,11 @@ class ReasoningStage(Stage):
         turn_id: int,
         epoch: int,
         options: ReplyOptions,
+        held: bool = False,
     ) -> None:
         previous = state.response
         response = Response(response_id, f"{response_id}-{next(self._request_ids)}", epoch)
+        response.held = [] if held else None
         state.response = response
         response.task = self._spawn(
             self._respond(session, state, response, previous, turn_id, options),
@@ -259,10 +341,9 @@ class ReasoningStage(Stage):
         if previous is not None:  # one reply at a time per session
             await self._stop(previous)
             previous.record(state.conversation, previous.text)
-        e = response.epoch
         started = ResponseStarted(response.response_id, turn_id, options.audio, options.paced)
-        self.send("vocoder", session, started, epoch=e)
-        self.send(GATEWAY, session, started, epoch=e)
+        self._emit(session, response, "vocoder", started)
+        self._emit(session, response, GATEWAY, started)
         prompt = state.conversation.prompt(options.instructions)
         sampling = (
             {"max_tokens": options.max_output_tokens}
@@ -279,8 +360,8 @@ class ReasoningStage(Stage):
                 since_submit = first_ns - submitted_ns if index == 0 else 0
                 delta = TextDelta(response.response_id, text, index, since_submit)
                 index += 1
-                self.send("vocoder", session, delta, epoch=e)
-                self.send(GATEWAY, session, delta, epoch=e)
+                self._emit(session, response, "vocoder", delta)
+                self._emit(session, response, GATEWAY, delta)
         except asyncio.CancelledError:
             raise  # _cancel answers for a cancelled reply
         except Exception as exc:
@@ -289,10 +370,16 @@ class ReasoningStage(Stage):
         response.finished = True
         response.record(state.conversation, response.text)
         done = ResponseDone(response.response_id, status, response.text, index, first_ns)
-        self.send("vocoder", session, done, epoch=e)
-        self.send(GATEWAY, session, done, epoch=e)
+        self._emit(session, response, "vocoder", done)
+        self._emit(session, response, GATEWAY, done)
         if state.response is response:
             state.response = None
+
+    def _emit(self, session: int, response: Response, dst: str, msg: Msg) -> None:
+        if response.held is not None:
+            response.held.append((dst, msg))
+        else:
+            self.send(dst, session, msg, epoch=response.epoch)
 
     async def _stop(self, response: Response) -> None:
         """Cancel the reply's task; generate() turns that into a vLLM abort (KV freed)."""

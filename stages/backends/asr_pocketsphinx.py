@@ -140,13 +140,20 @@ class PocketSphinxStream:
         self._decoder: Any | None = decoder
         self._partial = ""
         self._slice = ASR_SAMPLE_RATE * FEED_SLICE_MS // 1000
+        self._audio: list[np.ndarray] = []  # the turn so far, to decode again after a peek
+        self._peeked: str | None = None  # the final of a peek, while no audio came after it
 
     def feed(self, pcm16: np.ndarray) -> str | None:
         """Decode more audio; return the partial transcript when it changed."""
         decoder = self._live_decoder("feed")
         pcm16 = as_pcm16(pcm16)
-        for start in range(0, len(pcm16), self._slice):
-            decoder.process_raw(pcm16[start : start + self._slice].tobytes(), False, False)
+        if self._peeked is not None:  # the peek ended the utterance: decode it all again
+            self._peeked = None
+            decoder.start_utt()
+            for earlier in self._audio:
+                self._process(decoder, earlier)
+        self._audio.append(pcm16.copy())
+        self._process(decoder, pcm16)
         hyp = decoder.hyp()
         text = hyp.hypstr.strip() if hyp is not None else ""
         if text and text != self._partial:
@@ -154,13 +161,25 @@ class PocketSphinxStream:
             return text
         return None
 
+    def _process(self, decoder: Any, pcm16: np.ndarray) -> None:
+        for start in range(0, len(pcm16), self._slice):
+            decoder.process_raw(pcm16[start : start + self._slice].tobytes(), False, False)
+
+    def peek(self) -> str:
+        """The final transcript if the turn ended now (the final search runs now); the stream
+        stays open: more audio decodes the whole turn again, `finish` returns this at once."""
+        decoder = self._live_decoder("peek")
+        if self._peeked is None:
+            decoder.end_utt()
+            hyp = decoder.hyp()
+            self._peeked = hyp.hypstr.strip() if hyp is not None else ""
+        return self._peeked
+
     def finish(self) -> str:
         """End the turn and return its final transcript (runs the final best-path search)."""
         decoder = self._live_decoder("finish")
         try:
-            decoder.end_utt()
-            hyp = decoder.hyp()
-            return hyp.hypstr.strip() if hyp is not None else ""
+            return self.peek()
         finally:
             self._done(decoder)
 
@@ -170,7 +189,8 @@ class PocketSphinxStream:
         if decoder is None:
             return
         try:
-            decoder.end_utt()
+            if self._peeked is None:
+                decoder.end_utt()
         finally:
             self._done(decoder)
 
@@ -183,4 +203,5 @@ class PocketSphinxStream:
 
     def _done(self, decoder: Any) -> None:
         self._decoder = None
+        self._audio = []
         self._recognizer._release(decoder)

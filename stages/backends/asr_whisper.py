@@ -309,13 +309,19 @@ class WhisperStream:
             return text
         return None
 
+    def peek(self) -> str:
+        """The transcript if the turn ended now; the stream stays open for more audio."""
+        if self._done:
+            raise StreamClosedError("cannot peek: this recognizer stream is finished or closed")
+        tail = self._recognizer.transcribe(self._window()) if self._buffered else ""
+        return self._text(tail)
+
     def finish(self) -> str:
         """Decode what is buffered and return the turn's transcript."""
         if self._done:
             raise StreamClosedError("cannot finish: this recognizer stream is finished or closed")
         try:
-            tail = self._recognizer.transcribe(self._window()) if self._buffered else ""
-            return self._text(tail)
+            return self.peek()
         finally:
             self.close()
 

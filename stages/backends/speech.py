@@ -55,6 +55,9 @@ class RecognizerStream(Protocol):
         """Drop the turn without a result (cancel); idempotent."""
         ...
 
+    # A backend's stream may also have `peek() -> str`: the final transcript if the turn ended
+    # now, the stream staying open (the encoder's early transcript at a pause; stages.encoder).
+
 
 class Voice(Protocol):
     """A loaded text-to-speech voice."""

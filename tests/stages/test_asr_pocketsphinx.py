@@ -115,3 +115,39 @@ def test_sample_rate_other_than_16k_is_refused():
         load_pocketsphinx(samprate=8000)
     with pytest.raises(SpeechOptionError, match="pool_size"):
         load_pocketsphinx(pool_size=0)
+
+
+def test_peek_gives_the_final_so_far_and_the_turn_can_go_on(make_speech):
+    first, second = make_speech("tell me something nice"), make_speech("about the weather")
+    both = np.concatenate([first.pcm16, second.pcm16])
+
+    # a fresh decoder each time: pocketsphinx adapts to the audio a decoder heard before
+    def fresh():
+        return load_pocketsphinx().open_stream()
+
+    def direct(pcm16: np.ndarray) -> str:
+        stream = fresh()
+        for chunk in chunks_of(pcm16):
+            stream.feed(chunk)
+        return stream.finish()
+
+    # the turn ends at the peek: finish returns what peek said, with no second search
+    stream = fresh()
+    for chunk in chunks_of(first.pcm16):
+        stream.feed(chunk)
+    early = stream.peek()
+    assert early == stream.peek() == direct(first.pcm16)
+    assert stream.finish() == early
+
+    # the caller goes on after the peek: the whole turn is decoded, as if never peeked
+    stream = fresh()
+    for chunk in chunks_of(first.pcm16):
+        stream.feed(chunk)
+    stream.peek()
+    for chunk in chunks_of(second.pcm16):
+        stream.feed(chunk)
+    assert stream.finish() == direct(both)
+    peeked = fresh()
+    peeked.feed(first.pcm16)
+    peeked.peek()
+    peeked.close()  # a peeked turn closes without a second end of utterance

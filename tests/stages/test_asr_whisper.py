@@ -182,3 +182,20 @@ def test_decodes_asked_for_together_run_as_one_batch(recognizer, make_speech, mo
         t.join(30)
     assert batches == [1, 3]
     assert [results[i] for i in range(len(clips))] == alone
+
+
+def test_peek_transcribes_the_turn_so_far_and_leaves_it_open(recognizer, make_speech, monkeypatch):
+    speech = make_speech("tell me something nice")
+    decodes = count_decodes(recognizer, monkeypatch)
+    stream = recognizer.open_stream()
+    stream.feed(speech.pcm16[:16000])
+    before = len(decodes)  # partials so far
+    early = stream.peek()
+    assert decodes[before:] == [16000]  # one decode of the turn so far
+    stream.feed(speech.pcm16[16000:])  # still open
+    final = stream.finish()
+    assert decodes[-1] == len(speech.pcm16)
+    assert early == recognizer.transcribe(speech.pcm16[:16000])
+    assert final == recognizer.transcribe(speech.pcm16)
+    with pytest.raises(StreamClosedError):
+        stream.peek()

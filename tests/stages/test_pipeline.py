@@ -233,3 +233,68 @@ def test_collect_reply_surfaces_stage_errors(link: PipelineLink, events: EventQu
         assert collect_reply(events, session, TurnResult(), timeout=30).audio
     finally:
         link.close_session(session)
+
+
+def _turn(link: PipelineLink, session: int, turn_id: int, *parts: np.ndarray | str) -> None:
+    """Speak `parts` as one turn: audio is sent in 200 ms chunks, 'pause' and 'resume' are the
+    gateway's TURN_PAUSED and TURN_RESUMED, and the turn ends after 200 ms of silence."""
+    from stages.driver import CHUNK_SAMPLES
+
+    link.speech_started(session, turn_id)
+    for part in parts:
+        if isinstance(part, str):
+            (link.turn_paused if part == "pause" else link.turn_resumed)(session, turn_id)
+        else:
+            for start in range(0, len(part), CHUNK_SAMPLES):
+                assert link.send_audio(session, part[start : start + CHUNK_SAMPLES])
+    link.send_audio(session, np.zeros(3200, np.int16))  # the VAD's silence window
+    link.speech_stopped(session, turn_id)
+
+
+def _replies(result) -> list[str]:
+    return [ev.msg.response_id for ev in result.events if ev.kind is Kind.RESPONSE_STARTED]
+
+
+def test_reply_started_at_a_pause_is_the_turns_reply_when_it_ends(
+    link: PipelineLink, events: EventQueues, make_speech
+) -> None:
+    """The encoder transcribes at the pause and reasoning starts then, held back; the turn ends
+    with no more speech: that transcript is final and that reply is sent, once."""
+    from stages.driver import TurnResult
+
+    session = link.open_session()
+    try:
+        _turn(link, session, 1, make_speech(SENTENCE).pcm16, "pause")
+        prepared = collect_reply(events, session, TurnResult())
+    finally:
+        link.close_session(session)
+    assert prepared.transcript
+    assert _replies(prepared) == [f"resp_{session}_1"]  # one reply, the one started early
+    assert prepared.reply_text and prepared.audio
+    (final,) = [e.msg for e in prepared.events if e.kind is Kind.TRANSCRIPT and e.msg.final]
+    assert not final.speculative  # the gateway never sees the early one as such
+
+
+def test_reply_started_at_a_pause_is_dropped_when_the_caller_goes_on(
+    link: PipelineLink, events: EventQueues, make_speech
+) -> None:
+    """The caller speaks again after the pause: the early reply is dropped (never sent), and the
+    turn's transcript covers everything said."""
+    from stages.driver import TurnResult
+
+    first, second = make_speech("tell me something nice"), make_speech("about the weather")
+    gap = np.zeros(3200, np.int16)
+    session = link.open_session()
+    try:
+        _turn(link, session, 1, first.pcm16, "pause", gap, "resume", second.pcm16)
+        resumed = collect_reply(events, session, TurnResult())
+    finally:
+        link.close_session(session)
+    # pocketsphinx adapts to each decoder's past audio, so the words differ from one decoder to
+    # another: what counts is that the second half was heard
+    direct = load_pocketsphinx().open_stream()
+    direct.feed(first.pcm16)
+    first_half = direct.finish()
+    assert len(resumed.transcript.split()) > len(first_half.split()), resumed.transcript
+    assert _replies(resumed) == [f"resp_{session}_1"]  # only the turn's final reply
+    assert resumed.reply_text and resumed.audio
