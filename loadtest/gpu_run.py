@@ -559,6 +559,7 @@ def layout_config(
     device: str,
     vocoders: Vocoders | None = None,
     sharing: str | None = None,
+    prepare_ms: int | None = None,
 ) -> tuple[Any, list[str]]:
     """The layout's configuration with the built models' folders; notes on what was changed."""
     from gateway.config import GatewayConfig, load_config
@@ -583,6 +584,9 @@ def layout_config(
     if sharing is not None:
         overrides["gpu_sharing"] = sharing
         notes.append(f"gpu_sharing: {sharing} (from the command line)")
+    if prepare_ms is not None:
+        overrides["gateway.prepare_reply_ms"] = prepare_ms
+        notes.append(f"gateway.prepare_reply_ms: {prepare_ms} (from the command line)")
     if name == "tp2" and gpu_count == 2:
         overrides["encoder.gpus"] = overrides["vocoder.gpus"] = [1]
         notes.append("only 2 GPUs: encoder and vocoder share GPU 1 with vLLM's second shard")
@@ -605,15 +609,15 @@ def layout_config(
 
 def run_layout(
     name: str,
-    vocoders: Vocoders | None,
-    sharing: str | None,
+    variant: tuple[Vocoders | None, str | None, int | None],
     models: Any,
     speech: np.ndarray,
     args: argparse.Namespace,
 ) -> dict:
+    """One layout with one variant (vocoders, GPU sharing, prepare_reply_ms; None: the file's)."""
     from stages.supervisor import Supervisor
 
-    config, notes = layout_config(name, models, args.gpu_count, args.device, vocoders, sharing)
+    config, notes = layout_config(name, models, args.gpu_count, args.device, *variant)
     out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
     t0 = time.monotonic()
     with Supervisor(config) as supervisor:
@@ -738,6 +742,12 @@ def main(argv: list[str] | None = None) -> int:
         help="GPU sharing variants to run side by side: time-slice,mps (CUDA MPS daemon run by "
         "the supervisor); default: as each layout's file says",
     )
+    parser.add_argument(
+        "--prepare-reply",
+        type=ints,
+        default=[None],
+        help="gateway.prepare_reply_ms variants to run side by side, e.g. 0,200 (0: off)",
+    )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
@@ -766,11 +776,14 @@ def main(argv: list[str] | None = None) -> int:
     log(f"models ready in {results['models']['build_s']} s")
     speech = caller_speech()
     results["caller_speech_s"] = round(len(speech) / 48000, 2)
-    for name, vocoders, sharing in itertools.product(layouts, args.vocoders, args.gpu_sharing):
-        key = " ".join(str(part) for part in (name, vocoders, sharing) if part is not None)
+    variants = itertools.product(args.vocoders, args.gpu_sharing, args.prepare_reply)
+    for name, (vocoders, sharing, prepare) in itertools.product(layouts, variants):
+        parts = (name, vocoders, sharing, None if prepare is None else f"prepare {prepare}")
+        key = " ".join(str(part) for part in parts if part is not None)
         log(f"layout {key}: {LAYOUT_CONFIGS[name]}")
         try:
-            results["layouts"][key] = run_layout(name, vocoders, sharing, models, speech, args)
+            variant = (vocoders, sharing, prepare)
+            results["layouts"][key] = run_layout(name, variant, models, speech, args)
         except Exception as exc:  # the other layouts still run; the failure is reported
             log(f"layout {key} failed: {type(exc).__name__}: {exc}")
             results["layouts"][key] = {"error": f"{type(exc).__name__}: {exc}"}

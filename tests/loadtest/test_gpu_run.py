@@ -193,3 +193,9 @@ def test_gpu_sharing_variants_can_be_set_for_a_comparison(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--gpu-sharing", "mps,shared"])
     assert "gpu sharing 'shared'" in capsys.readouterr().err
+
+
+def test_prepare_reply_variants_can_be_set_for_a_comparison() -> None:
+    config, notes = layout_config("one", MODELS, 1, "cuda", prepare_ms=200)
+    assert config.gateway.prepare_reply_ms == 200
+    assert "gateway.prepare_reply_ms: 200" in notes[-1]
