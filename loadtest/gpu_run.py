@@ -234,11 +234,14 @@ def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str,
                 if a in t and b in t:
                     hops[name] = (t[b] - t[a]) / 1e6
             if model_ns is not None and all(name in hops for name in model_ns):
-                hops["model"] = sum(model_ns.values()) / 1e6
+                # model time on the path is at most its hop: a reply prepared at the caller's
+                # pause (gateway.prepare_reply_ms) made its first token before the turn ended
+                model_ms = {n: min(max(ns / 1e6, 0.0), hops[n]) for n, ns in model_ns.items()}
+                hops["model"] = sum(model_ms.values())
                 # what is left of each hop once its model time is out: rings, queues, the
                 # gateway (the VAD hop's share is what exceeds the silence window)
                 for name, _, _ in HOPS:
-                    hops[f"overhead_{name}"] = hops[name] - model_ns.get(name, 0) / 1e6
+                    hops[f"overhead_{name}"] = hops[name] - model_ms.get(name, 0.0)
             turns.append(hops)
     return turns
 

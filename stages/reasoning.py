@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from stages.config import TINY_CHAT_MODEL, ReasoningConfig
 from stages.messages import (
     Cancel,
@@ -286,10 +288,22 @@ class ReasoningStage(Stage):
         state.early = EarlyReply(msg.turn_id, msg.text, asked, state.response)
 
     def _release(self, session: int, response: Response) -> None:
-        """Send what an early reply made so far; from now on it streams as any reply does."""
+        """Send what an early reply made so far; from now on it streams as any reply does.
+
+        The text made so far goes as one delta, not dozens: each delta is an event on the
+        caller's data channel and a feed of the vocoder's phrase splitter, all due at the
+        moment the turn ends (docs/benchmarks.md, "Preparing the reply")."""
         held, response.held = response.held or [], None
+        by_dst: dict[str, list[Msg]] = {}
         for dst, msg in held:
-            self.send(dst, session, msg, epoch=response.epoch)
+            out = by_dst.setdefault(dst, [])
+            if isinstance(msg, TextDelta) and out and isinstance(out[-1], TextDelta):
+                out[-1] = msgspec.structs.replace(out[-1], text=out[-1].text + msg.text)
+            else:
+                out.append(msg)
+        for dst, msgs in by_dst.items():
+            for msg in msgs:
+                self.send(dst, session, msg, epoch=response.epoch)
 
     def _drop_early(self, session: int, state: SessionState, early: EarlyReply) -> None:
         state.conversation.take_back(early.asked)
