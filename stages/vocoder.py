@@ -113,6 +113,16 @@ class VocoderStage(QueuedStage):
         )
         return {"backend": self.voice.name, "sample_rate": self.voice.sample_rate}
 
+    def deliver(self, item: Inbound) -> None:
+        if item.kind is Kind.CANCEL:
+            # Acknowledged here, on the reader thread, not after the decoder pass in progress
+            # (tens of ms with a batch of replies): the session's epoch was bumped before the
+            # CANCEL was sent, every decoder step and every push of this stage checks it, and the
+            # gateway's ring drops a piece pushed in between, so from here on nothing of the
+            # cancelled reply leaves the stage; the model loop drops its state next.
+            self.ack(item.session, item.msg.cancel_id)
+        super().deliver(item)
+
     def handle(self, item: Inbound) -> None:
         s = item.session
         if item.kind is Kind.RESPONSE_STARTED:
@@ -137,8 +147,7 @@ class VocoderStage(QueuedStage):
                     reply.pending.append((rest, item.t_ns))
                 reply.done_status = item.msg.status
         elif item.kind is Kind.CANCEL:
-            self._drop(s)
-            self.ack(s, item.msg.cancel_id)
+            self._drop(s)  # acknowledged already, by `deliver`
         elif item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
             self._drop(s)
 
