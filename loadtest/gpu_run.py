@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -521,7 +522,11 @@ async def _measure_loads(
     return out
 
 
-GPU_SHARING = ("time-slice", "mps")  # stages.config.PipelineConfig.gpu_sharing
+def _gpu_sharing_modes() -> tuple[str, ...]:
+    """The values of PipelineConfig.gpu_sharing, read off the config's own Literal."""
+    from stages.config import PipelineConfig
+
+    return typing.get_args(PipelineConfig.model_fields["gpu_sharing"].annotation)
 
 
 @dataclass(frozen=True)
@@ -550,8 +555,8 @@ class Vocoders:
 def _sharings(text: str) -> list[str]:
     sharings = [v for v in text.split(",") if v]
     for v in sharings:
-        if v not in GPU_SHARING:
-            raise argparse.ArgumentTypeError(f"gpu sharing {v!r}: one of {', '.join(GPU_SHARING)}")
+        if v not in (modes := _gpu_sharing_modes()):
+            raise argparse.ArgumentTypeError(f"gpu sharing {v!r}: one of {', '.join(modes)}")
     return sharings
 
 
