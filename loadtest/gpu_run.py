@@ -560,19 +560,90 @@ def _sharings(text: str) -> list[str]:
     return sharings
 
 
+VOCODER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtypes(text: str) -> list[str]:
+    dtypes = [v for v in text.split(",") if v]
+    for v in dtypes:
+        if v not in VOCODER_DTYPES:
+            raise argparse.ArgumentTypeError(f"vocoder dtype {v!r}: one of {VOCODER_DTYPES}")
+    return dtypes
+
+
+@dataclass(frozen=True)
+class ThreadShares:
+    """Per-stage caps on the SMs a stage's kernels may use under MPS, e.g.
+    `reasoning=60:vocoder=40` (`none`: no caps)."""
+
+    shares: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> ThreadShares:
+        if text == "none":
+            return cls(())
+        shares = []
+        for part in text.split(":"):
+            stage, _, value = part.partition("=")
+            valid = value.isdigit() and 1 <= int(value) <= 100
+            if stage not in ("encoder", "reasoning", "vocoder") or not valid:
+                raise argparse.ArgumentTypeError(
+                    f"MPS thread shares {text!r}: STAGE=PERCENT (1-100) joined by ':', e.g. "
+                    "reasoning=60:vocoder=40, or none"
+                )
+            shares.append((stage, int(value)))
+        return cls(tuple(shares))
+
+    def __str__(self) -> str:
+        return "sm " + (" ".join(f"{s} {v}" for s, v in self.shares) or "uncapped")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one run of a layout changes from its file; None: as the file says."""
+
+    vocoders: Vocoders | None = None
+    sharing: str | None = None
+    prepare_ms: int | None = None
+    vocoder_dtype: str | None = None
+    thread_shares: ThreadShares | None = None
+
+    def key(self, layout: str) -> str:
+        """The run's name in the results, e.g. "one 1x8 mps prepare 200"."""
+        parts = (
+            layout,
+            self.vocoders,
+            self.sharing,
+            None if self.prepare_ms is None else f"prepare {self.prepare_ms}",
+            None if self.vocoder_dtype is None else f"vocoder {self.vocoder_dtype}",
+            self.thread_shares,
+        )
+        return " ".join(str(part) for part in parts if part is not None)
+
+    def overrides(self) -> tuple[dict[str, Any], list[str]]:
+        """Config overrides, and a note on each for the results."""
+        overrides: dict[str, Any] = {}
+        if self.vocoders is not None:
+            overrides["vocoder.replicas"] = self.vocoders.replicas
+            overrides["vocoder.batch"] = self.vocoders.batch
+        if self.sharing is not None:
+            overrides["gpu_sharing"] = self.sharing
+        if self.prepare_ms is not None:
+            overrides["gateway.prepare_reply_ms"] = self.prepare_ms
+        if self.vocoder_dtype is not None:
+            overrides["vocoder.options.dtype"] = self.vocoder_dtype
+        if self.thread_shares is not None:
+            overrides["mps_thread_percent"] = dict(self.thread_shares.shares)
+        notes = [f"{k}: {v} (from the command line)" for k, v in overrides.items()]
+        return overrides, notes
+
+
 def layout_config(
-    name: str,
-    models: Any,
-    gpu_count: int,
-    device: str,
-    vocoders: Vocoders | None = None,
-    sharing: str | None = None,
-    prepare_ms: int | None = None,
+    name: str, models: Any, gpu_count: int, device: str, variant: Variant = Variant()
 ) -> tuple[Any, list[str]]:
     """The layout's configuration with the built models' folders; notes on what was changed."""
     from gateway.config import GatewayConfig, load_config
 
-    notes = []
     overrides: dict[str, Any] = {
         "encoder.model": models.whisper,
         "reasoning.model": models.chat,
@@ -582,19 +653,7 @@ def layout_config(
     }
     if "auth" in GatewayConfig.model_fields:  # callers on 127.0.0.1 carry no API key
         overrides["gateway.auth.enabled"] = False
-    if vocoders is not None:
-        overrides["vocoder.replicas"] = vocoders.replicas
-        overrides["vocoder.batch"] = vocoders.batch
-        notes.append(
-            f"vocoder.replicas: {vocoders.replicas}, vocoder.batch: {vocoders.batch} "
-            "(from the command line)"
-        )
-    if sharing is not None:
-        overrides["gpu_sharing"] = sharing
-        notes.append(f"gpu_sharing: {sharing} (from the command line)")
-    if prepare_ms is not None:
-        overrides["gateway.prepare_reply_ms"] = prepare_ms
-        notes.append(f"gateway.prepare_reply_ms: {prepare_ms} (from the command line)")
+    chosen, notes = variant.overrides()
     if name == "tp2" and gpu_count == 2:
         overrides["encoder.gpus"] = overrides["vocoder.gpus"] = [1]
         notes.append("only 2 GPUs: encoder and vocoder share GPU 1 with vLLM's second shard")
@@ -612,20 +671,17 @@ def layout_config(
             "kv_cache_memory_bytes": 256 << 20,
         }
         notes.append("CPU try-out: every stage on the CPU, tiny models")
+    overrides |= chosen  # after the try-out's options, which replace the file's whole dicts
     return load_config(CONFIGS / LAYOUT_CONFIGS[name], overrides), notes
 
 
 def run_layout(
-    name: str,
-    variant: tuple[Vocoders | None, str | None, int | None],
-    models: Any,
-    speech: np.ndarray,
-    args: argparse.Namespace,
+    name: str, variant: Variant, models: Any, speech: np.ndarray, args: argparse.Namespace
 ) -> dict:
-    """One layout with one variant (vocoders, GPU sharing, prepare_reply_ms; None: the file's)."""
+    """One layout with one variant of it."""
     from stages.supervisor import Supervisor
 
-    config, notes = layout_config(name, models, args.gpu_count, args.device, *variant)
+    config, notes = layout_config(name, models, args.gpu_count, args.device, variant)
     out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
     t0 = time.monotonic()
     with Supervisor(config) as supervisor:
@@ -756,6 +812,19 @@ def main(argv: list[str] | None = None) -> int:
         default=[None],
         help="gateway.prepare_reply_ms variants to run side by side, e.g. 0,200 (0: off)",
     )
+    parser.add_argument(
+        "--vocoder-dtype",
+        type=_dtypes,
+        default=[None],
+        help="vocoder (SpeechT5) dtype variants to run side by side, e.g. float32,bfloat16",
+    )
+    parser.add_argument(
+        "--mps-threads",
+        type=lambda s: [ThreadShares.parse(v) for v in s.split(",") if v],
+        default=[None],
+        help="MPS SM-share variants to run side by side (mps_thread_percent), e.g. "
+        "none,reasoning=60:vocoder=40",
+    )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
@@ -784,13 +853,18 @@ def main(argv: list[str] | None = None) -> int:
     log(f"models ready in {results['models']['build_s']} s")
     speech = caller_speech()
     results["caller_speech_s"] = round(len(speech) / 48000, 2)
-    variants = itertools.product(args.vocoders, args.gpu_sharing, args.prepare_reply)
-    for name, (vocoders, sharing, prepare) in itertools.product(layouts, variants):
-        parts = (name, vocoders, sharing, None if prepare is None else f"prepare {prepare}")
-        key = " ".join(str(part) for part in parts if part is not None)
+    dims = (
+        args.vocoders,
+        args.gpu_sharing,
+        args.prepare_reply,
+        args.vocoder_dtype,
+        args.mps_threads,
+    )
+    variants = [Variant(*chosen) for chosen in itertools.product(*dims)]
+    for name, variant in itertools.product(layouts, variants):
+        key = variant.key(name)
         log(f"layout {key}: {LAYOUT_CONFIGS[name]}")
         try:
-            variant = (vocoders, sharing, prepare)
             results["layouts"][key] = run_layout(name, variant, models, speech, args)
         except Exception as exc:  # the other layouts still run; the failure is reported
             log(f"layout {key} failed: {type(exc).__name__}: {exc}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+StageName = Literal["encoder", "reasoning", "vocoder"]
 
 TINY_CHAT_MODEL = "builtin:tiny-chat"
 """Reasoning model id for the random-weight chat model built locally on first use."""
@@ -177,6 +179,13 @@ class SupervisorConfig(Strict):
     ready_timeout_s: float = Field(300.0, gt=0, description="per stage, model loading included")
     max_restarts: int = Field(5, ge=0, description="consecutive failed restarts before giving up")
     stop_timeout_s: float = Field(15.0, gt=0)
+    stage_niceness: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="added to the stage processes' nice value (vLLM's engine inherits it), so "
+        "that the gateway's media path wins the CPU when the stages' compute wants all of it",
+    )
 
 
 class PipelineConfig(Strict):
@@ -188,8 +197,22 @@ class PipelineConfig(Strict):
         description="how stages on one GPU share it: CUDA's default time slices, or a CUDA MPS "
         "daemon the supervisor runs for them (their kernels run side by side; stages.mps)",
     )
+    mps_thread_percent: dict[StageName, Annotated[int, Field(ge=1, le=100)]] = Field(
+        default_factory=dict,
+        description="under MPS, the share of the GPU's SMs a stage's kernels may use at once "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its processes); unset: all of them",
+    )
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
     vocoder: VocoderConfig = Field(default_factory=VocoderConfig)
     rings: RingsConfig = Field(default_factory=RingsConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+
+    @model_validator(mode="after")
+    def _thread_shares_need_mps(self) -> PipelineConfig:
+        if self.mps_thread_percent and self.gpu_sharing != "mps":
+            raise ValueError(
+                "mps_thread_percent is set but gpu_sharing is "
+                f"{self.gpu_sharing!r}: SM shares only apply under gpu_sharing: mps"
+            )
+        return self

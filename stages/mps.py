@@ -33,6 +33,15 @@ _PR_SET_PDEATHSIG = 1
 PREFIX = "omni-mps-"  # then the owner's pid: a folder whose owner died is removed at next start
 
 
+def thread_share_env(percent: int | None) -> dict[str, str]:
+    """The environment that caps a client's kernels at `percent` of the GPU's SMs (None: no cap).
+
+    A cap, not a reservation: the stages' caps may add up to more than 100. Capping the stages
+    that keep the GPU busy leaves SMs free for the one whose small kernels must not wait.
+    """
+    return {} if percent is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
+
+
 class MpsError(RuntimeError):
     """The MPS control daemon could not be started (the message says why)."""
 

@@ -21,7 +21,7 @@ from typing import Any
 from shm import reap_stale
 from stages.config import PipelineConfig
 from stages.messages import Error, SessionClose
-from stages.mps import MpsDaemon
+from stages.mps import MpsDaemon, thread_share_env
 from stages.placement import StagePlacement, plan, wants_gpus
 from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet, role_of
 from stages.worker import StageSpec, stage_main
@@ -128,9 +128,13 @@ class Supervisor:
             return
         self.mps = MpsDaemon.start()
         progress(f"gpu sharing: CUDA MPS (control daemon pid {self.mps.process.pid})")
+        shares = self.config.mps_thread_percent
         self.placements = {
-            role: replace(p, env={**p.env, **self.mps.env}) for role, p in self.placements.items()
+            role: replace(p, env={**p.env, **self.mps.env, **thread_share_env(shares.get(role))})
+            for role, p in self.placements.items()
         }
+        if shares:
+            progress("MPS SM shares: " + ", ".join(f"{r} {v}%" for r, v in shares.items()))
 
     def _spawn(self, stage: StageProcess) -> None:
         parent, child = _ctx.Pipe(duplex=False)

@@ -9,10 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from gateway.config import ConfigError
 from loadtest.conversation import FRAME, WatchedSpeaker, last_voiced_frame
 from loadtest.gpu_run import (
     HOPS,
     Seen,
+    ThreadShares,
+    Variant,
     Vocoders,
     cancel_latencies,
     inter_token_ms,
@@ -172,10 +175,11 @@ def test_the_agent_counts_as_stopped_once_200_ms_are_silent() -> None:
 
 
 def test_vocoder_variants_can_be_set_for_a_comparison(capsys) -> None:
-    variant = Vocoders.parse("4x1")
-    config, notes = layout_config("one", MODELS, gpu_count=1, device="cuda", vocoders=variant)
+    variant = Variant(vocoders=Vocoders.parse("4x1"))
+    config, notes = layout_config("one", MODELS, gpu_count=1, device="cuda", variant=variant)
     assert (config.vocoder.replicas, config.vocoder.batch) == (4, 1)
-    assert "vocoder.replicas: 4, vocoder.batch: 1" in notes[-1]
+    assert "vocoder.replicas: 4 (from the command line)" in notes
+    assert "vocoder.batch: 1 (from the command line)" in notes
     config, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
     assert (config.vocoder.replicas, config.vocoder.batch) == (1, 8)  # configs/gpu-one.yaml
     for bad in ("4", "4x", "0x8", "1x65"):
@@ -185,9 +189,9 @@ def test_vocoder_variants_can_be_set_for_a_comparison(capsys) -> None:
 
 
 def test_gpu_sharing_variants_can_be_set_for_a_comparison(capsys) -> None:
-    config, notes = layout_config("one", MODELS, 1, "cuda", sharing="time-slice")
+    config, notes = layout_config("one", MODELS, 1, "cuda", Variant(sharing="time-slice"))
     assert config.gpu_sharing == "time-slice"
-    assert "gpu_sharing: time-slice" in notes[-1]
+    assert "gpu_sharing: time-slice (from the command line)" in notes
     config, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
     assert config.gpu_sharing == "mps"  # configs/gpu-one.yaml
     with pytest.raises(SystemExit):
@@ -196,6 +200,34 @@ def test_gpu_sharing_variants_can_be_set_for_a_comparison(capsys) -> None:
 
 
 def test_prepare_reply_variants_can_be_set_for_a_comparison() -> None:
-    config, notes = layout_config("one", MODELS, 1, "cuda", prepare_ms=200)
+    config, notes = layout_config("one", MODELS, 1, "cuda", Variant(prepare_ms=200))
     assert config.gateway.prepare_reply_ms == 200
-    assert "gateway.prepare_reply_ms: 200" in notes[-1]
+    assert "gateway.prepare_reply_ms: 200 (from the command line)" in notes
+
+
+def test_vocoder_dtype_variants_keep_the_files_other_vocoder_options(capsys) -> None:
+    for device in ("cuda", "cpu"):
+        config, _ = layout_config("one", MODELS, 1, device, Variant(vocoder_dtype="bfloat16"))
+        assert config.vocoder.options["dtype"] == "bfloat16"
+        assert "maxlenratio" in config.vocoder.options  # the file's, or the CPU try-out's
+    with pytest.raises(SystemExit):
+        main(["--vocoder-dtype", "float32,int8"])
+    assert "vocoder dtype 'int8'" in capsys.readouterr().err
+
+
+def test_mps_thread_share_variants(capsys) -> None:
+    shares = ThreadShares.parse("reasoning=60:vocoder=40")
+    config, _ = layout_config("one", MODELS, 1, "cuda", Variant(thread_shares=shares))
+    assert config.mps_thread_percent == {"reasoning": 60, "vocoder": 40}
+    uncapped = Variant(thread_shares=ThreadShares.parse("none"))
+    assert layout_config("one", MODELS, 1, "cuda", uncapped)[0].mps_thread_percent == {}
+    assert Variant(sharing="mps", thread_shares=shares).key("one") == (
+        "one mps sm reasoning 60 vocoder 40"
+    )
+    # shares need MPS: the config says so instead of silently ignoring them
+    with pytest.raises(ConfigError, match="mps_thread_percent"):
+        layout_config("one", MODELS, 1, "cuda", Variant(sharing="time-slice", thread_shares=shares))
+    for bad in ("reasoning", "reasoning=x", "decoder=50", "reasoning=0", "reasoning=60,vocoder"):
+        with pytest.raises(SystemExit):
+            main(["--mps-threads", bad])
+        assert "MPS thread shares" in capsys.readouterr().err

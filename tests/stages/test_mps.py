@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from stages.mps import MpsDaemon, MpsError
+from stages.config import PipelineConfig
+from stages.mps import MpsDaemon, MpsError, thread_share_env
 
 # -f: the daemon (makes its control pipe, records its pid, waits for quit); no argument: the
 # client, which reads a command from stdin
@@ -118,3 +120,17 @@ def test_daemon_dies_with_a_killed_supervisor(control: Path, tmp_path: Path) -> 
         owner.wait()
         if owner.stdout is not None:
             owner.stdout.close()
+
+
+def test_thread_shares_cap_a_stage_only_under_mps() -> None:
+    config = PipelineConfig(gpu_sharing="mps", mps_thread_percent={"vocoder": 40})
+    assert thread_share_env(config.mps_thread_percent.get("vocoder")) == {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"
+    }
+    assert thread_share_env(config.mps_thread_percent.get("encoder")) == {}
+    with pytest.raises(ValidationError, match="gpu_sharing is 'time-slice'"):
+        PipelineConfig(mps_thread_percent={"vocoder": 40})
+    with pytest.raises(ValidationError, match=r"mps_thread_percent\.vocoder"):
+        PipelineConfig(gpu_sharing="mps", mps_thread_percent={"vocoder": 0})
+    with pytest.raises(ValidationError, match=r"mps_thread_percent\.decoder"):
+        PipelineConfig(gpu_sharing="mps", mps_thread_percent={"decoder": 40})

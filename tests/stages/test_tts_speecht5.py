@@ -10,6 +10,7 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 
 from stages.backends.speech import SpeechModelNotFoundError, SpeechOptionError
 from stages.backends.tts_speecht5 import SpeechT5Voice, _pieces, load_speecht5
@@ -208,3 +209,32 @@ def test_a_batch_speaks_each_phrase_as_it_is_spoken_alone(voice, monkeypatch):
     longest = max(len(voice._processor(text=t).input_ids) for t in texts)
     steps_alone = longest * MAXLENRATIO // voice._model.config.reduction_factor
     assert counter.steps < steps_alone + 2 * len(texts) + 4  # not one pass per phrase per step
+
+
+def test_bfloat16_voice_speaks_alone_and_batched_as_long_as_float32(tiny_speecht5, voice):
+    """The GPU layouts can run SpeechT5 in bfloat16: masks, caches and HiFi-GAN follow the
+    model's dtype, and the audio has float32's length (random weights: not its samples)."""
+    half = load_speecht5(
+        str(tiny_speecht5.model),
+        str(tiny_speecht5.vocoder),
+        maxlenratio=MAXLENRATIO,
+        dtype="bfloat16",
+    )
+    assert half._model.dtype == torch.bfloat16
+    texts = ["Hello there.", "How can I help you today?"]
+    for text in texts:
+        audio = np.concatenate(list(half.synthesize(text)))
+        assert len(audio) == len(np.concatenate(list(voice.synthesize(text))))
+        assert np.abs(audio).max() > 100, "the bfloat16 vocoder produced silence"
+    streams = [half.begin(t) for t in texts]
+    spoken: list[list[np.ndarray]] = [[] for _ in texts]
+    for _ in range(200):
+        live = [s for s in streams if not s.done]
+        if not live:
+            break
+        for stream, audio in zip(live, half.advance(live), strict=True):
+            spoken[streams.index(stream)].append(audio)
+    for text, parts in zip(texts, spoken, strict=True):
+        audio = np.concatenate(parts)
+        assert len(audio) == len(np.concatenate(list(voice.synthesize(text))))
+        assert audio.dtype == np.int16 and np.abs(audio).max() > 100
