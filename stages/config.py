@@ -200,7 +200,8 @@ class PipelineConfig(Strict):
     mps_thread_percent: dict[StageName, Annotated[int, Field(ge=1, le=100)]] = Field(
         default_factory=dict,
         description="under MPS, the share of the GPU's SMs a stage's kernels may use at once "
-        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its processes); unset: all of them",
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its processes); unset: all of them. An "
+        "experiment: every cap tried on an H200 made replies late (docs/gpu.md)",
     )
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)

@@ -134,7 +134,11 @@ class Supervisor:
             for role, p in self.placements.items()
         }
         if shares:
-            progress("MPS SM shares: " + ", ".join(f"{r} {v}%" for r, v in shares.items()))
+            progress(
+                "MPS SM caps: "
+                + ", ".join(f"{r} {v}%" for r, v in shares.items())
+                + " (an experiment: every cap tried on an H200 made replies late; docs/gpu.md)"
+            )
 
     def _spawn(self, stage: StageProcess) -> None:
         parent, child = _ctx.Pipe(duplex=False)
