@@ -28,9 +28,11 @@ from gateway.resample import CALLER_RATE
 from gateway.session import RealtimeSession
 from gateway.siblings import Siblings, call_id
 from gateway.speech import Utterance
+from gateway.trace import StageTrace
 from gateway.webrtc import WebRTCTransport
 from gateway.websocket import serve_websocket, websocket_response
 from stages.link import PipelineLink, SessionsFull, StageEvent
+from stages.messages import Kind
 from stages.rings import GATEWAY, RingNames
 
 logger = logging.getLogger(__name__)
@@ -89,11 +91,23 @@ class Gateway:
         self.link: PipelineLink | None = None
         self.siblings: Siblings | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.trace: StageTrace | None = None
 
     # reader thread -> loop
     def _on_stage_event(self, event: StageEvent) -> None:
         assert self.loop is not None
+        if self.trace is not None:
+            self.trace.record(event, *self.whose(event))
         self.loop.call_soon_threadsafe(self._route, event)
+
+    def whose(self, event: StageEvent) -> tuple[str | None, int | None]:
+        """The call an event is for, and for a CANCEL_ACK when its CANCEL was sent (read on a
+        reader thread: a dict lookup, no state changed)."""
+        call = self.by_session.get(event.session)
+        sent = None
+        if event.kind is Kind.CANCEL_ACK:
+            sent = getattr(call, "cancels", {}).get(event.msg.cancel_id)
+        return getattr(call, "call_id", None), sent
 
     def _route(self, event: StageEvent) -> None:
         owner = self.by_session.get(event.session)
@@ -103,6 +117,8 @@ class Gateway:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """cleanup_ctx: attach to the rings before serving; close every call, then the link."""
         self.loop = asyncio.get_running_loop()
+        if self.config.gateway.trace_dir is not None:
+            self.trace = StageTrace(Path(self.config.gateway.trace_dir) / f"{self.instance}.trace")
         self.link = PipelineLink(self.names, self._on_stage_event, self.instance)
         if self.socket_dir is not None and len(self.names.gateways) > 1:
             self.siblings = Siblings(self.names, self.instance, self.link.control, self.socket_dir)
@@ -117,6 +133,8 @@ class Gateway:
             if self.siblings is not None:
                 await self.siblings.close()
             self.link.close()
+            if self.trace is not None:
+                self.trace.close()
 
     async def _update_ring_metrics(self) -> None:
         """With several processes a scrape reaches one of them: each keeps its rings'

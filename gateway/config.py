@@ -89,6 +89,12 @@ class GatewayConfig(Strict):
         "the turn ends, dropped if the caller goes on. 0: off; only values under "
         "silence_duration_ms do anything",
     )
+    trace_dir: str | None = Field(
+        None,
+        description="write every stage record each gateway process receives (audio without its "
+        "samples), stamped with when it arrived, to TRACE_DIR/<process>.trace: for latency "
+        "analysis (gateway.trace; loadtest.gpu_run reads them). Off by default",
+    )
     turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
 

@@ -11,7 +11,7 @@ import secrets
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -55,19 +55,49 @@ async def serve(
 ) -> None:
     """Serve until SIGINT or SIGTERM, then close every call (and stop the other gateway
     processes)."""
-    prepare_media(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with gateway_processes(config, supervisor, progress) as (base, _):
+        processes = config.gateway.processes
+        progress(
+            f"gateway listening on {base}"
+            + (f" ({processes} processes)" if processes > 1 else "")
+            + " (Ctrl-C stops)"
+        )
+        await stop.wait()
+        progress("stopping")
+
+
+@contextlib.asynccontextmanager
+async def gateway_processes(
+    config: OmniConfig,
+    supervisor: Supervisor,
+    progress: Callable[[str], None],
+    on_app: Callable[[web.Application], None] | None = None,
+) -> AsyncIterator[tuple[str, web.Application]]:
+    """The gateway served in this process and, with `gateway.processes` > 1, in that many
+    processes in all on the same port; yields (base URL, this process's app). `on_app` sees
+    the app before it starts (loadtest.gpu_run taps it). Afterwards every call is closed and
+    the other processes are stopped."""
     processes = config.gateway.processes
+    if len(supervisor.names.gateways) != processes:
+        raise ValueError(
+            f"gateway.processes is {processes} but the supervisor made rings for "
+            f"{len(supervisor.names.gateways)} (Supervisor(config, gateways=...))"
+        )
+    prepare_media(config)
     signing_key = secrets.token_bytes(32)
     with tempfile.TemporaryDirectory(prefix="omni-gateway-") as socket_dir:
         app = build_app(
             config, supervisor, instance=GATEWAY, socket_dir=socket_dir, signing_key=signing_key
         )
+        if on_app is not None:
+            on_app(app)
         runner = web.AppRunner(app, handle_signals=False)
         await runner.setup()
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         pool = None
         try:
             host = config.gateway.host
@@ -92,13 +122,7 @@ async def serve(
 
                 pool = GatewayPool(supervisor, spec_for, progress)
                 await loop.run_in_executor(None, pool.start)
-            progress(
-                f"gateway listening on http://{host}:{port}"
-                + (f" ({processes} processes)" if processes > 1 else "")
-                + " (Ctrl-C stops)"
-            )
-            await stop.wait()
-            progress("stopping")
+            yield f"http://{host}:{port}", app
         finally:
             if pool is not None:
                 await loop.run_in_executor(None, pool.stop)

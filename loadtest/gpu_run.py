@@ -16,6 +16,11 @@ Hops come from the CLOCK_MONOTONIC stamps of the ring records, read where the ga
 them, joined with the callers' own clock readings (one host, one clock). The models have
 RANDOM WEIGHTS (loadtest.gpu_models): the figures are timings, not quality. Prints a table and
 writes JSON (results.json) under --out.
+
+Variants of a layout (`--vocoders`, `--gpu-sharing`, `--prepare-reply`, `--vocoder-dtype`,
+`--mps-threads`, `--gateway-processes`) run side by side, every combination. With more than
+one gateway process, each traces the records it receives (gateway.trace) and the loads are
+read from every trace; the inter-token runs use the first process.
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import typing
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,15 +121,12 @@ class Tap:
         self._loop = asyncio.get_running_loop()
 
         def tapped(event: Any) -> None:
-            call = self.gateway.by_session.get(event.session)
-            sent = None
-            if event.kind is Kind.CANCEL_ACK:
-                sent = getattr(call, "cancels", {}).get(event.msg.cancel_id)
+            call_id, sent = self.gateway.whose(event)
             msg = None if event.kind in (Kind.AUDIO_OUT,) else event.msg
             self.seen.append(
                 Seen(
                     time.monotonic_ns(),
-                    getattr(call, "call_id", None),
+                    call_id,
                     event.session,
                     event.stage,
                     event.kind,
@@ -149,8 +152,51 @@ class Tap:
         self._waiters[response_id] = waiter
         return waiter
 
+    def mark(self) -> int:
+        return len(self.seen)
+
     def since(self, mark: int) -> list[Seen]:
         return self.seen[mark:]
+
+
+@dataclass
+class Traces:
+    """The stage records every gateway process received, read from their traces
+    (gateway.trace_dir): what a Tap sees, for gateway processes this one does not run."""
+
+    folder: Path
+    by_process: dict[str, int] = field(default_factory=dict)  # records read, last since()
+
+    def mark(self) -> int:
+        return time.monotonic_ns()
+
+    def since(self, mark: int) -> list[Seen]:
+        from gateway.trace import read_trace
+        from stages.messages import Kind
+
+        self.by_process = {}
+        seen = [
+            Seen(
+                e.recv_ns,
+                e.call_id,
+                e.session,
+                e.stage,
+                Kind(e.kind),
+                e.t_ns,
+                e.msg,
+                e.cancel_sent_ns,
+            )
+            for path in sorted(self.folder.glob("*.trace"))
+            for e in self._counted(path.stem, read_trace(path, mark))
+        ]
+        seen.sort(key=lambda x: x.recv_ns)
+        return seen
+
+    def _counted(self, process: str, entries: Iterator[Any]) -> Iterator[Any]:
+        """`entries`, counted in by_process: which gateway processes the records came from."""
+        for entry in entries:
+            self.by_process[process] = self.by_process.get(process, 0) + 1
+            yield entry
 
 
 # -- joining the callers' turns with the stage records -----------------------------------
@@ -375,10 +421,18 @@ async def run_callers(
     return reports
 
 
+def open_sessions(gateway: Any) -> int:
+    """Sessions open in every gateway process (this one's, or all, read from the shared
+    control segment)."""
+    if gateway.siblings is None:
+        return len(gateway.calls)
+    return sum(gateway.siblings.load(g) for g in gateway.names.gateways)
+
+
 async def calls_gone(gateway: Any, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
-    while gateway.calls and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)  # polling the gateway's bookkeeping between loads
+    while open_sessions(gateway) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # polling the gateways' bookkeeping between loads
 
 
 async def measure_itl(
@@ -391,7 +445,7 @@ async def measure_itl(
         sessions = [link.open_session() for _ in range(streams)]
         ids: set[str] = set()
         ttft: list[float] = []
-        mark = len(tap.seen)
+        mark = tap.mark()
         if mode == "vocoder_idle":
             for pid in vocoder_pids:
                 os.kill(pid, signal.SIGSTOP)
@@ -444,29 +498,24 @@ def _first_deltas(seen: list[Seen], ids: set[str]) -> dict[str, int]:
 
 @contextlib.asynccontextmanager
 async def tapped_gateway(config: Any, supervisor: Any) -> AsyncIterator[tuple[str, Any, Tap]]:
-    """The gateway served on 127.0.0.1 (an ephemeral port) next to running stages, with a Tap
-    on its stage events; yields (base URL, Gateway, Tap). Afterwards the process-wide media
-    settings are restored."""
-    from aiohttp import web
-
+    """The gateway served on 127.0.0.1 (an ephemeral port) next to running stages, in
+    `gateway.processes` processes, with a Tap on this process's stage events; yields (base URL,
+    Gateway, Tap). Afterwards the process-wide media settings are restored."""
     from gateway import aiortc_tuning
     from gateway.app import gateway_of
     from gateway.ice import restrict_host_addresses
-    from gateway.server import build_app, prepare_media
+    from gateway.server import gateway_processes
 
-    prepare_media(config)
-    app = build_app(config, supervisor)
-    gateway = gateway_of(app)
-    tap = Tap(gateway)
-    tap.install()
-    runner = web.AppRunner(app)
-    await runner.setup()
+    taps: list[Tap] = []
+
+    def tap_app(app: Any) -> None:
+        taps.append(Tap(gateway_of(app)))
+        taps[0].install()
+
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        yield "http://{}:{}".format(*runner.addresses[0][:2]), gateway, tap
+        async with gateway_processes(config, supervisor, log, on_app=tap_app) as (base, app):
+            yield base, gateway_of(app), taps[0]
     finally:
-        await runner.cleanup()
         aiortc_tuning.restore()
         restrict_host_addresses(None)
 
@@ -475,13 +524,17 @@ async def measure_layout(
     config: Any, supervisor: Any, speech: np.ndarray, args: argparse.Namespace
 ) -> dict[str, Any]:
     async with tapped_gateway(config, supervisor) as (base, gateway, tap):
-        return await _measure_loads(base, gateway, tap, config, supervisor, speech, args)
+        # with several gateway processes the loads' records come from all of their traces
+        trace_dir = config.gateway.trace_dir
+        records = tap if trace_dir is None else Traces(Path(trace_dir))
+        return await _measure_loads(base, gateway, tap, records, config, supervisor, speech, args)
 
 
 async def _measure_loads(
     base: str,
     gateway: Any,
     tap: Tap,
+    records: Tap | Traces,
     config: Any,
     supervisor: Any,
     speech: np.ndarray,
@@ -496,15 +549,17 @@ async def _measure_loads(
     for n in args.loads:
         turns = args.turns_single if n == 1 else args.turns
         log(f"{n} caller(s), {turns} turns each")
-        mark = len(tap.seen)
+        mark = records.mark()
         t0 = time.monotonic()
         try:
             reports = await run_callers(base, n, speech, turns, opus)
-            figures = load_figures(reports, tap.since(mark), silence_ms)
+            figures = load_figures(reports, records.since(mark), silence_ms)
         except Exception as exc:  # the other loads still run; the failure is reported
             log(f"{n} callers failed: {type(exc).__name__}: {exc}")
             figures = {"error": f"{type(exc).__name__}: {exc}"}
         figures["wall_s"] = round(time.monotonic() - t0, 1)
+        if isinstance(records, Traces):
+            figures["records_by_gateway_process"] = dict(records.by_process)
         out["loads"][str(n)] = figures
         log(f"{n} callers: {json.dumps(figures)}")
         await calls_gone(gateway)
@@ -607,6 +662,7 @@ class Variant:
     prepare_ms: int | None = None
     vocoder_dtype: str | None = None
     thread_shares: ThreadShares | None = None
+    gateway_processes: int | None = None
 
     def key(self, layout: str) -> str:
         """The run's name in the results, e.g. "one 1x8 mps prepare 200"."""
@@ -617,6 +673,7 @@ class Variant:
             None if self.prepare_ms is None else f"prepare {self.prepare_ms}",
             None if self.vocoder_dtype is None else f"vocoder {self.vocoder_dtype}",
             self.thread_shares,
+            None if self.gateway_processes is None else f"gw {self.gateway_processes}",
         )
         return " ".join(str(part) for part in parts if part is not None)
 
@@ -634,14 +691,22 @@ class Variant:
             overrides["vocoder.options.dtype"] = self.vocoder_dtype
         if self.thread_shares is not None:
             overrides["mps_thread_percent"] = dict(self.thread_shares.shares)
+        if self.gateway_processes is not None:
+            overrides["gateway.processes"] = self.gateway_processes
         notes = [f"{k}: {v} (from the command line)" for k, v in overrides.items()]
         return overrides, notes
 
 
 def layout_config(
-    name: str, models: Any, gpu_count: int, device: str, variant: Variant = Variant()
+    name: str,
+    models: Any,
+    gpu_count: int,
+    device: str,
+    variant: Variant = Variant(),
+    trace_dir: str | None = None,
 ) -> tuple[Any, list[str]]:
-    """The layout's configuration with the built models' folders; notes on what was changed."""
+    """The layout's configuration with the built models' folders; notes on what was changed.
+    `trace_dir`: where the gateway processes trace the stage records they receive."""
     from gateway.config import GatewayConfig, load_config
 
     overrides: dict[str, Any] = {
@@ -672,6 +737,8 @@ def layout_config(
         }
         notes.append("CPU try-out: every stage on the CPU, tiny models")
     overrides |= chosen  # after the try-out's options, which replace the file's whole dicts
+    if trace_dir is not None:
+        overrides["gateway.trace_dir"] = trace_dir
     return load_config(CONFIGS / LAYOUT_CONFIGS[name], overrides), notes
 
 
@@ -681,10 +748,13 @@ def run_layout(
     """One layout with one variant of it."""
     from stages.supervisor import Supervisor
 
-    config, notes = layout_config(name, models, args.gpu_count, args.device, variant)
+    traces = tempfile.TemporaryDirectory(prefix="omni-trace-")
+    # one gateway process is tapped in place; more trace what they receive (gateway.trace)
+    trace_dir = traces.name if (variant.gateway_processes or 1) > 1 else None
+    config, notes = layout_config(name, models, args.gpu_count, args.device, variant, trace_dir)
     out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
     t0 = time.monotonic()
-    with Supervisor(config) as supervisor:
+    with traces, Supervisor(config, gateways=config.gateway.processes) as supervisor:
         supervisor.start(progress=log)
         out["start_s"] = round(time.monotonic() - t0, 1)
         out["placement"] = {
@@ -825,6 +895,13 @@ def main(argv: list[str] | None = None) -> int:
         help="MPS SM-share variants to run side by side (mps_thread_percent), e.g. "
         "none,reasoning=60:vocoder=40",
     )
+    parser.add_argument(
+        "--gateway-processes",
+        type=ints,
+        default=[None],
+        help="gateway.processes variants, e.g. 1,4 (32 callers need more than one); default: "
+        "the file's",
+    )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
@@ -859,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prepare_reply,
         args.vocoder_dtype,
         args.mps_threads,
+        args.gateway_processes,
     )
     variants = [Variant(*chosen) for chosen in itertools.product(*dims)]
     for name, variant in itertools.product(layouts, variants):

@@ -15,6 +15,7 @@ from loadtest.gpu_run import (
     HOPS,
     Seen,
     ThreadShares,
+    Traces,
     Variant,
     Vocoders,
     cancel_latencies,
@@ -231,3 +232,37 @@ def test_mps_thread_share_variants(capsys) -> None:
         with pytest.raises(SystemExit):
             main(["--mps-threads", bad])
         assert "MPS thread shares" in capsys.readouterr().err
+
+
+def test_gateway_process_variants_trace_what_they_receive(tmp_path) -> None:
+    variant = Variant(gateway_processes=4)
+    assert variant.key("one") == "one gw 4"
+    config, notes = layout_config("one", MODELS, 1, "cuda", variant, trace_dir=str(tmp_path))
+    assert config.gateway.processes == 4 and config.gateway.trace_dir == str(tmp_path)
+    assert "gateway.processes: 4 (from the command line)" in notes
+    assert layout_config("one", MODELS, 1, "cuda")[0].gateway.trace_dir is None
+
+
+def test_traces_of_every_gateway_process_are_read_as_one_tap(tmp_path) -> None:
+    from gateway.trace import StageTrace
+
+    def event(session: int, index: int) -> SimpleNamespace:
+        delta = TextDelta("r", "w", index)
+        return SimpleNamespace(
+            stage="reasoning", session=session, kind=Kind.TEXT_DELTA, t_ns=index, msg=delta
+        )
+
+    first, second = StageTrace(tmp_path / "gateway.trace"), StageTrace(tmp_path / "gateway.1.trace")
+    first.record(event(0, 0), "rtc_g0_a")
+    traces = Traces(tmp_path)
+    mark = traces.mark()
+    for i in range(3):
+        second.record(event(1, i), "rtc_g1_b")
+        first.record(event(0, i + 1), "rtc_g0_a")
+    first.close()
+    second.close()
+    seen = traces.since(mark)
+    assert [s.recv_ns for s in seen] == sorted(s.recv_ns for s in seen)
+    assert [(s.call_id, s.msg.index) for s in seen[:2]] == [("rtc_g1_b", 0), ("rtc_g0_a", 1)]
+    assert traces.by_process == {"gateway": 3, "gateway.1": 3}  # not the one before the mark
+    assert all(s.kind is Kind.TEXT_DELTA for s in seen)
