@@ -16,8 +16,7 @@ table, and states the machine.
 
 `--barge-in-hold both` runs each count with gateway.barge_in_hold off, then on, to measure the
 barge-in it saves (the agent silenced at the caller's first voiced frame instead of at the
-VAD's onset decision). `--stage-niceness 0,5` runs each with the stage processes at those nice
-values (supervisor.stage_niceness), to see what yielding the CPU to the gateway buys.
+VAD's onset decision).
 
 On a GPU machine, `--layout one` runs loadtest.gpu_run's layout instead of a config file, on
 the random-weight models of real shapes it builds (or finds) in `--models-root`.
@@ -30,7 +29,6 @@ import asyncio
 import concurrent.futures
 import copy
 import datetime
-import itertools
 import json
 import multiprocessing as mp
 import shutil
@@ -54,24 +52,15 @@ GAP_INTERVAL_S = 0.08  # a 20 ms frame stream's interval over this is a gap over
 
 
 def config_for(
-    data: dict[str, Any],
-    processes: int,
-    max_calls: int,
-    out: Path,
-    hold: bool = True,
-    niceness: int | None = None,
+    data: dict[str, Any], processes: int, max_calls: int, out: Path, hold: bool = True
 ) -> Path:
-    """A config file: `data` with `processes` gateway processes taking `max_calls` calls,
-    gateway.barge_in_hold set to `hold` and, unless None, supervisor.stage_niceness."""
+    """A config file: `data` with `processes` gateway processes taking `max_calls` calls, and
+    gateway.barge_in_hold set to `hold`."""
     data = copy.deepcopy(data)
     gateway = data.setdefault("gateway", {})
     gateway |= {"processes": processes, "max_calls": max_calls, "barge_in_hold": hold}
     data["max_sessions"] = max(data.get("max_sessions", 64), max_calls + 2 * processes)
-    name = f"config-{processes}{'' if hold else '-no-hold'}"
-    if niceness is not None:
-        data.setdefault("supervisor", {})["stage_niceness"] = niceness
-        name += f"-nice-{niceness}"
-    path = out / f"{name}.yaml"
+    path = out / f"config-{processes}{'' if hold else '-no-hold'}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -282,12 +271,6 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="gateway.barge_in_hold; both: each process count with it off, then on",
     )
-    parser.add_argument(
-        "--stage-niceness",
-        type=ints,
-        default=None,
-        help="supervisor.stage_niceness variants, e.g. 0,5 (default: the config's)",
-    )
     parser.add_argument("--per-process", type=int, default=4, help="callers per process")
     parser.add_argument("--out", type=Path, default=Path("out/gateway-scaling"))
     args = parser.parse_args(argv)
@@ -307,13 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     clips = spoken_questions() if shutil.which("espeak-ng") else [caller_speech()]
     max_calls = 2 * max(args.loads)  # room for calls of the last load still closing
     holds = {"on": [True], "off": [False], "both": [False, True]}[args.barge_in_hold]
-    nices = args.stage_niceness or [None]
-    for count, hold, nice in itertools.product(args.processes, holds, nices):
-        data = config.model_dump(mode="json")
-        path = config_for(data, count, max_calls, args.out, hold, nice)
+    for count, hold in [(c, h) for c in args.processes for h in holds]:
+        path = config_for(config.model_dump(mode="json"), count, max_calls, args.out, hold)
         label = str(count) if holds == [True] else f"{count}, hold {'on' if hold else 'off'}"
-        if nice is not None:
-            label += f", stages nice {nice}"
         with Service(path, echo=True) as service:
             try:
                 results["runs"][label] = asyncio.run(

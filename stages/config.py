@@ -179,13 +179,6 @@ class SupervisorConfig(Strict):
     ready_timeout_s: float = Field(300.0, gt=0, description="per stage, model loading included")
     max_restarts: int = Field(5, ge=0, description="consecutive failed restarts before giving up")
     stop_timeout_s: float = Field(15.0, gt=0)
-    stage_niceness: int = Field(
-        0,
-        ge=0,
-        le=19,
-        description="added to the stage processes' nice value (vLLM's engine inherits it), so "
-        "that the gateway's media path wins the CPU when the stages' compute wants all of it",
-    )
 
 
 class PipelineConfig(Strict):

@@ -268,8 +268,6 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
     ).start()
     stage: Stage | None = None
     try:
-        # before any model thread or child process starts: they inherit it
-        os.nice(PipelineConfig.model_validate(spec.config).supervisor.stage_niceness)
         stage = _stage_class(spec.stage)(spec, stop)
         stage_config = getattr(stage.config, role_of(spec.stage))
         placement.apply_memory_share(

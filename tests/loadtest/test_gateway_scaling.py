@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from gateway.config import load_config
 from gateway.metrics import GatewayMetrics
 from loadtest.gateway_scaling import (
-    CONFIG,
     carries,
-    config_for,
     gaps_at_gateway,
     load_figures,
     parse_frame_intervals,
@@ -57,13 +54,3 @@ def test_gateway_gaps_are_read_from_its_metrics() -> None:
         "in": {"intervals": 4, "within_80ms": 2},
         "out": {"intervals": 1, "within_80ms": 1},
     }
-
-
-def test_each_variant_gets_a_config_file_the_gateway_accepts(tmp_path) -> None:
-    data = load_config(CONFIG).model_dump(mode="json")
-    plain = load_config(config_for(data, 2, 20, tmp_path))
-    assert plain.supervisor.stage_niceness == 0  # the file's default
-    assert (plain.gateway.processes, plain.gateway.max_calls) == (2, 20)
-    nice = load_config(config_for(data, 2, 20, tmp_path, hold=False, niceness=5))
-    assert nice.supervisor.stage_niceness == 5 and not nice.gateway.barge_in_hold
-    assert plain.gateway.barge_in_hold  # its own file, not overwritten by the variant's
