@@ -1,4 +1,4 @@
-"""libopus through opuslib (Debian's libopus0), at the pipeline's own rates.
+"""libopus through opuslib (Debian's libopus0, else PyAV's own), at the pipeline's own rates.
 
 Opus codes at 8, 12, 16, 24 or 48 kHz internally whatever the RTP clock says (always 48 kHz),
 and any decoder can decode any stream at any of those rates. So the gateway needs no resampler
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fractions
 import logging
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -42,14 +43,52 @@ class OpusUnavailable(ValueError):
 
 def opuslib() -> ModuleType:
     """The opuslib module, imported on first use: a gateway on `gateway.opus: aiortc` and
-    without the audio/opus format runs where libopus is not installed."""
+    without the audio/opus format runs where libopus is not installed.
+
+    Without a system libopus (Debian's libopus0), opuslib is pointed at the libopus that
+    PyAV's wheel bundles, which aiortc loads anyway: the same library, under its wheel's name.
+    """
     try:
         import opuslib as lib
+    except ModuleNotFoundError as exc:
+        raise _unavailable(exc) from None
     except Exception as exc:  # opuslib raises a bare Exception when libopus is missing
-        raise OpusUnavailable(
-            f"libopus through opuslib is not available ({exc}): install Debian's libopus0 "
-            "and the opuslib package (scripts/setup.sh does both), or set gateway.opus: aiortc"
-        ) from None
+        bundled = _bundled_libopus()
+        if bundled is None:
+            raise _unavailable(exc) from None
+        lib = _import_opuslib_with(bundled)
+        logger.info("opuslib: no system libopus; using PyAV's bundled %s", bundled.name)
+    return lib
+
+
+def _unavailable(exc: Exception) -> OpusUnavailable:
+    return OpusUnavailable(
+        f"libopus through opuslib is not available ({exc}): install Debian's libopus0 "
+        "and the opuslib package (scripts/setup.sh does both), or set gateway.opus: aiortc"
+    )
+
+
+def _bundled_libopus() -> Path | None:
+    """The libopus shared library inside PyAV's wheel (auditwheel's `av.libs`), if any."""
+    folder = Path(av.__file__).parent.parent / "av.libs"
+    found = sorted(folder.glob("libopus-*.so*"))
+    return found[0] if found else None
+
+
+def _import_opuslib_with(library: Path) -> ModuleType:
+    """Import opuslib with its `find_library("opus")` answered by `library`."""
+    import ctypes.util
+
+    find_library = ctypes.util.find_library
+
+    def find(name: str) -> str | None:
+        return str(library) if name == "opus" else find_library(name)
+
+    ctypes.util.find_library = find
+    try:
+        import opuslib as lib
+    finally:
+        ctypes.util.find_library = find_library
     return lib
 
 

@@ -98,3 +98,35 @@ def test_without_libopus_the_error_says_what_to_install(monkeypatch) -> None:
     with pytest.raises(ProtocolError) as err:
         SessionConfig(voice="v").apply({"audio": {"input": {"format": {"type": "audio/opus"}}}})
     assert err.value.code == "unsupported" and "libopus0" in str(err.value)
+
+
+def test_without_a_system_libopus_opuslib_uses_pyav_s_own() -> None:
+    """Where Debian's libopus0 is missing (the GPU machines), opuslib loads the libopus in
+    PyAV's wheel and codes as before. In a fresh interpreter: opuslib is imported once."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import ctypes.util
+        system = ctypes.util.find_library
+        ctypes.util.find_library = lambda name: None if name == "opus" else system(name)
+        import numpy as np
+        from gateway.opus import PacketCodec, opuslib
+        lib = opuslib()
+        assert ctypes.util.find_library("opus") is None  # put back as it was
+        codec = PacketCodec()
+        t = np.arange(24000) / 24000  # a second of the agent's voice at 24 kHz, heard at 16
+        pcm = (8000 * np.sin(2 * np.pi * 440 * t)).astype(np.int16)
+        heard = np.concatenate([codec.decode(p) for p in codec.encode(pcm) + codec.flush()])
+        print(lib.api.lib_location, len(heard), int(np.abs(heard[3200:]).max()))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    location, samples, peak = done.stdout.split()
+    assert "av.libs" in location and "libopus" in location
+    assert int(samples) == 16000 and int(peak) > 4000
