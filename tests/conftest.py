@@ -8,9 +8,12 @@ the default voice (17 of 20 words against 8 in a trial here).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import wave
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -66,37 +69,26 @@ class SpeechRecording:
         return len(self.pcm16) / 16000
 
 
+#: Made recordings are kept here, by text and tool settings, for later runs and for machines
+#: without the tools (the GPU machines: loadtest/gpu/device-tests.sh carries this folder).
+SPEECH_CACHE = Path(
+    os.environ.get("OMNI_TEST_SPEECH_CACHE", Path(__file__).parents[1] / ".cache" / "test-speech")
+)
+SOX_ARGS = ["-r", "16000", "-c", "1", "-b", "16"]
+SOX_EFFECTS = ["pad", "0.5", "0.5"]
+
+
 @pytest.fixture(scope="session")
-def make_speech(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], SpeechRecording]:
+def make_speech() -> Callable[[str], SpeechRecording]:
     """Speak a sentence with the espeak-ng CLI into a 16 kHz WAV (0.5 s of silence around it)."""
-    missing = [tool for tool in ("espeak-ng", "sox") if shutil.which(tool) is None]
-    if missing:
-        pytest.fail(f"{' and '.join(missing)} missing: apt-get install -y espeak-ng sox")
-    folder = tmp_path_factory.mktemp("speech")
     made: dict[str, SpeechRecording] = {}
 
     def make(text: str) -> SpeechRecording:
         if text not in made:
-            stem = folder / f"utt{len(made)}"
-            raw, wav = stem.with_suffix(".22k.wav"), stem.with_suffix(".wav")
-            subprocess.run(["espeak-ng", *SPEECH_VOICE, "-w", str(raw), text], check=True)
-            subprocess.run(
-                [
-                    "sox",
-                    str(raw),
-                    "-r",
-                    "16000",
-                    "-c",
-                    "1",
-                    "-b",
-                    "16",
-                    str(wav),
-                    "pad",
-                    "0.5",
-                    "0.5",
-                ],
-                check=True,
-            )
+            recipe = json.dumps([SPEECH_VOICE, SOX_ARGS, SOX_EFFECTS, text]).encode()
+            wav = SPEECH_CACHE / f"{hashlib.sha1(recipe).hexdigest()[:16]}.wav"
+            if not wav.exists():
+                _speak(text, wav)
             with wave.open(str(wav)) as reader:
                 assert reader.getframerate() == 16000 and reader.getsampwidth() == 2
                 pcm16 = np.frombuffer(reader.readframes(reader.getnframes()), dtype=np.int16)
@@ -104,6 +96,18 @@ def make_speech(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Spe
         return made[text]
 
     return make
+
+
+def _speak(text: str, wav: Path) -> None:
+    missing = [tool for tool in ("espeak-ng", "sox") if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} missing: apt-get install -y espeak-ng sox")
+    wav.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=wav.parent) as folder:  # same filesystem
+        raw, made = Path(folder) / "raw.wav", Path(folder) / "speech.wav"
+        subprocess.run(["espeak-ng", *SPEECH_VOICE, "-w", str(raw), text], check=True)
+        subprocess.run(["sox", str(raw), *SOX_ARGS, str(made), *SOX_EFFECTS], check=True)
+        os.replace(made, wav)  # whole or not at all, for a run beside this one
 
 
 @pytest.fixture(scope="module")
