@@ -36,8 +36,9 @@ PREFIX = "omni-mps-"  # then the owner's pid: a folder whose owner died is remov
 def thread_share_env(percent: int | None) -> dict[str, str]:
     """The environment that caps a client's kernels at `percent` of the GPU's SMs (None: no cap).
 
-    A cap, not a reservation: the stages' caps may add up to more than 100. Capping the stages
-    that keep the GPU busy leaves SMs free for the one whose small kernels must not wait.
+    A cap, not a reservation: the stages' caps may add up to more than 100. The idea was to
+    leave SMs free for Whisper's small kernels by capping the stages that keep the GPU busy; on
+    an H200 every cap tried made replies seconds late instead (docs/benchmarks.md).
     """
     return {} if percent is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
 
