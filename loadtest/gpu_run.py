@@ -18,7 +18,8 @@ RANDOM WEIGHTS (loadtest.gpu_models): the figures are timings, not quality. Prin
 writes JSON (results.json) under --out.
 
 Variants of a layout (`--vocoders`, `--gpu-sharing`, `--prepare-reply`, `--vocoder-dtype`,
-`--mps-threads`, `--gateway-processes`) run side by side, every combination. With more than
+`--mps-threads`, `--gateway-processes`, and any config key with `--set KEY=V1,V2`) run side
+by side, every combination. With more than
 one gateway process, each traces the records it receives (gateway.trace) and the loads are
 read from every trace; the inter-token runs use the first process.
 """
@@ -46,6 +47,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -663,6 +665,7 @@ class Variant:
     vocoder_dtype: str | None = None
     thread_shares: ThreadShares | None = None
     gateway_processes: int | None = None
+    settings: tuple[tuple[str, Any], ...] = ()  # any other config key: --set KEY=V1,V2
 
     def key(self, layout: str) -> str:
         """The run's name in the results, e.g. "one 1x8 mps prepare 200"."""
@@ -674,6 +677,7 @@ class Variant:
             None if self.vocoder_dtype is None else f"vocoder {self.vocoder_dtype}",
             self.thread_shares,
             None if self.gateway_processes is None else f"gw {self.gateway_processes}",
+            *(f"{k}={v}" for k, v in self.settings),
         )
         return " ".join(str(part) for part in parts if part is not None)
 
@@ -693,8 +697,21 @@ class Variant:
             overrides["mps_thread_percent"] = dict(self.thread_shares.shares)
         if self.gateway_processes is not None:
             overrides["gateway.processes"] = self.gateway_processes
+        overrides |= dict(self.settings)
         notes = [f"{k}: {v} (from the command line)" for k, v in overrides.items()]
         return overrides, notes
+
+
+def parse_setting(text: str) -> list[tuple[str, Any]]:
+    """`--set KEY=V1,V2`: one dimension of variants, KEY set to each value (YAML scalars)."""
+    import yaml
+
+    key, sep, values = text.partition("=")
+    if not sep or not key or not values or not all(key.split(".")):
+        raise argparse.ArgumentTypeError(
+            f"--set {text!r}: KEY=VALUE[,VALUE...], e.g. reasoning.sampling.max_tokens=400,60"
+        )
+    return [(key, yaml.safe_load(v)) for v in values.split(",")]
 
 
 def layout_config(
@@ -902,6 +919,15 @@ def main(argv: list[str] | None = None) -> int:
         help="gateway.processes variants, e.g. 1,4 (32 callers need more than one); default: "
         "the file's",
     )
+    parser.add_argument(
+        "--set",
+        type=parse_setting,
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="any config key's variants, e.g. --set reasoning.sampling.max_tokens=400,60 "
+        "(repeatable: every combination runs)",
+    )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
@@ -911,6 +937,25 @@ def main(argv: list[str] | None = None) -> int:
 
     args.gpu_count = count_gpus() if args.device == "cuda" else 0
     layouts = (args.layouts or ("one,tp2" if args.gpu_count >= 2 else "one")).split(",")
+    dims = (
+        args.vocoders,
+        args.gpu_sharing,
+        args.prepare_reply,
+        args.vocoder_dtype,
+        args.mps_threads,
+        args.gateway_processes,
+    )
+    variants = [
+        Variant(*chosen[: len(dims)], settings=tuple(chosen[len(dims) :]))
+        for chosen in itertools.product(*dims, *args.set)
+    ]
+    # a bad key or value fails now, not after the models are built and other variants ran
+    folders = SimpleNamespace(whisper="w", chat="c", speecht5="t", hifigan="h")
+    for name, variant in itertools.product(layouts, variants):
+        try:
+            layout_config(name, folders, args.gpu_count, args.device, variant)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            parser.error(f"variant {variant.key(name)!r}: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
@@ -930,15 +975,6 @@ def main(argv: list[str] | None = None) -> int:
     log(f"models ready in {results['models']['build_s']} s")
     speech = caller_speech()
     results["caller_speech_s"] = round(len(speech) / 48000, 2)
-    dims = (
-        args.vocoders,
-        args.gpu_sharing,
-        args.prepare_reply,
-        args.vocoder_dtype,
-        args.mps_threads,
-        args.gateway_processes,
-    )
-    variants = [Variant(*chosen) for chosen in itertools.product(*dims)]
     for name, variant in itertools.product(layouts, variants):
         key = variant.key(name)
         log(f"layout {key}: {LAYOUT_CONFIGS[name]}")

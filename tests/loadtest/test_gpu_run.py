@@ -23,6 +23,7 @@ from loadtest.gpu_run import (
     layout_config,
     load_figures,
     main,
+    parse_setting,
     turn_hops,
 )
 from stages.messages import CancelAck, Kind, Phrase, ResponseStarted, TextDelta, Transcript
@@ -266,3 +267,25 @@ def test_traces_of_every_gateway_process_are_read_as_one_tap(tmp_path) -> None:
     assert [(s.call_id, s.msg.index) for s in seen[:2]] == [("rtc_g1_b", 0), ("rtc_g0_a", 1)]
     assert traces.by_process == {"gateway": 3, "gateway.1": 3}  # not the one before the mark
     assert all(s.kind is Kind.TEXT_DELTA for s in seen)
+
+
+def test_any_config_key_can_be_a_variant_and_a_bad_one_fails_before_anything_runs(
+    capsys,
+) -> None:
+    assert parse_setting("reasoning.sampling.max_tokens=400,60") == [
+        ("reasoning.sampling.max_tokens", 400),
+        ("reasoning.sampling.max_tokens", 60),
+    ]
+    short = Variant(settings=(("reasoning.sampling.max_tokens", 60),))
+    config, notes = layout_config("one", MODELS, 1, "cuda", short)
+    assert config.reasoning.sampling["max_tokens"] == 60
+    assert short.key("one") == "one reasoning.sampling.max_tokens=60"
+    assert "reasoning.sampling.max_tokens: 60 (from the command line)" in notes
+    for bad in ("max_tokens", "=60", "reasoning..max_tokens=1"):
+        with pytest.raises(SystemExit):
+            main(["--device", "cpu", "--set", bad])
+        assert "--set" in capsys.readouterr().err
+    # checked against the config before any model is built
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--set", "reasoning.max_tokenz=60"])
+    assert "max_tokenz" in capsys.readouterr().err
