@@ -11,6 +11,7 @@ reader thread's), so a trace read while the gateway runs holds everything receiv
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -23,6 +24,7 @@ import msgspec
 from stages.messages import RAW_KINDS, Kind, decode, encode
 
 _LENGTH = struct.Struct("<I")
+logger = logging.getLogger(__name__)
 
 
 class TraceEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -72,8 +74,12 @@ class StageTrace:
         data = self._encoder.encode(entry)
         with self._lock:
             if self._file.closed:
-                return  # a reader thread still delivering while the gateway closes
-            self._file.write(_LENGTH.pack(len(data)) + data)
+                return  # a reader thread still delivering, or a write that failed
+            try:
+                self._file.write(_LENGTH.pack(len(data)) + data)
+            except OSError as exc:  # a full disk ends the trace, never the calls
+                logger.error("stage trace %s stopped: %s", self.path, exc)
+                self._file.close()
 
     def close(self) -> None:
         with self._lock:

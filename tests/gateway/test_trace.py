@@ -56,3 +56,14 @@ def test_an_entry_cut_short_is_left_out(tmp_path) -> None:
     assert [e.call_id for e in read_trace(path)] == ["rtc_a"]
     # and records arriving after close (a reader thread still delivering) are dropped quietly
     trace.record(event(Kind.TRANSCRIPT, final), "rtc_c")
+
+
+def test_a_full_disk_ends_the_trace_not_the_reader(caplog) -> None:
+    trace = StageTrace("/dev/full")  # every write fails with ENOSPC
+    final = Transcript(1, "hello", final=True)
+    trace.record(event(Kind.TRANSCRIPT, final), "rtc_a")  # no exception for the reader thread
+    trace.record(event(Kind.TRANSCRIPT, final), "rtc_a")
+    assert [r.message for r in caplog.records if "stopped" in r.message] == [
+        "stage trace /dev/full stopped: [Errno 28] No space left on device"
+    ]
+    trace.close()
