@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(lo
 
 OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
 SILENT_RMS = 30.0  # Opus silence decodes to a few LSBs
+STAGES = ("encoder", "reasoning", "vocoder")
 
 
 @pytest.fixture(scope="module")
@@ -107,19 +108,101 @@ async def test_spoken_turn_gets_transcript_and_spoken_reply(server, make_speech)
         await call.close()
 
 
-async def test_barge_in_stops_the_agent_fast(server, make_speech) -> None:
-    """The caller talks over the agent: time from the caller's first speech frame leaving to
-    the agent's audio stopping in what the caller receives."""
+async def test_barge_in_stops_the_agent_fast(config, server, make_speech) -> None:
+    """The caller talks over the agent, 20 times: time from the caller's first speech frame
+    leaving to the agent's audio stopping in what the caller receives. The caller runs in a
+    process of its own, as a real client does, not on the gateway's event loop, with the
+    load generator's client settings (a one-frame jitter buffer, the gateway's Opus)."""
     base, app = server
     gateway = gateway_of(app)
     speech = speech48k(make_speech("stop please I have another question"))
+    before = _bucket_counts(gateway.metrics.cancel_latency)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    opus = config.gateway.opus
+    proc = ctx.Process(target=_barge_in_process, args=(base, speech, 20, opus, child))
+    proc.start()
+    interrupted: dict[str, list[float]] = {}  # the gateway's interrupt times, per call
+
+    async def snapshot_interrupts() -> None:
+        while True:  # the call vanishes when the caller hangs up: keep a copy as it runs
+            for cid, call in list(gateway.calls.items()):
+                interrupted[cid] = list(call.interrupted_at)
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(snapshot_interrupts())
+    try:
+        ready = await asyncio.to_thread(parent.poll, 240)
+        assert ready, "the caller's process produced no report"
+        report = parent.recv()
+    finally:
+        watcher.cancel()
+        await asyncio.to_thread(proc.join, 30)
+        if proc.is_alive():
+            proc.kill()
+    assert "error" not in report, report.get("error")
+    assert report["statuses"] == ["cancelled"] * 20
+    latencies_ms, onsets = report["latencies_ms"], report["onsets"]
+    # caller's first speech frame sent -> the gateway interrupting (one host, one clock)
+    times = interrupted[report["call_id"]]
+    uplink_ms = [1000 * (min(t for t in times if t >= onset) - onset) for onset in onsets]
+    p50, p95 = np.percentile(latencies_ms, [50, 95])
+    print(
+        f"\nbarge-in at the client over {len(latencies_ms)} trials: p50 {p50:.0f} ms, "
+        f"p95 {p95:.0f} ms, max {max(latencies_ms):.0f} ms; of which speech sent -> "
+        f"gateway interrupts p50 {np.percentile(uplink_ms, 50):.0f} ms, "
+        f"p95 {np.percentile(uplink_ms, 95):.0f} ms"
+    )
+    deadline = time.monotonic() + 5  # the last trial's acks may still be on their way
+    while True:
+        after = _bucket_counts(gateway.metrics.cancel_latency)
+        acked = {s: after[s][float("inf")] - before.get(s, {}).get(float("inf"), 0) for s in after}
+        if min(acked.get(s, 0) for s in STAGES) >= 20 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)  # polling the gateway's metrics
+    for stage in STAGES:
+        counts = {le: n - before.get(stage, {}).get(le, 0) for le, n in after[stage].items()}
+        total = counts[float("inf")]
+        within = counts[0.03] / max(1, total)
+        print(f"  server cancel ack {stage}: {100 * within:.0f}% of {total:.0f} within 30 ms")
+        assert total >= 20
+    # the target is 150 ms (docs/benchmarks.md has the runs); this bound catches a barge-in
+    # that waits for the end of a phrase or of the caller's words, as peers do (0.5-0.6 s)
+    assert p95 < 400, f"barge-in p95 {p95:.0f} ms"
+
+
+def _bucket_counts(histogram) -> dict[str, dict[float, float]]:
+    """Per stage, the histogram's cumulative bucket counts by upper bound (s)."""
+    counts: dict[str, dict[float, float]] = {}
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket"):
+                stage, le = sample.labels["stage"], float(sample.labels["le"])
+                counts.setdefault(stage, {})[le] = sample.value
+    return counts
+
+
+def _barge_in_process(base: str, speech: np.ndarray, trials: int, opus: str, conn) -> None:
+    import traceback
+
+    from gateway import aiortc_tuning
+
+    try:
+        aiortc_tuning.apply(1, opus=opus)
+        conn.send(asyncio.run(_barge_in_trials(base, speech, trials)))
+    except Exception:
+        conn.send({"error": traceback.format_exc()})
+
+
+async def _barge_in_trials(base: str, speech: np.ndarray, trials: int) -> dict:
     call = await RealtimeCall.connect(base)
     latencies_ms: list[float] = []
-    uplink_ms: list[float] = []  # caller's first speech frame sent -> gateway interrupts
+    onsets: list[float] = []
+    statuses: list[str] = []
     try:
         await call.next_event("session.created")
         call.send({"type": "response.create"})
-        for _ in range(20):
+        for _ in range(trials):
             await call.next_event("output_audio_buffer.started", timeout=60)
             # let the agent's voice reach us, then talk over it
             while len(voiced_frames(call, since=time.monotonic() - 0.1)) < 3:
@@ -127,6 +210,7 @@ async def test_barge_in_stops_the_agent_fast(server, make_speech) -> None:
             n_clips = len(call.microphone.clip_started)
             call.microphone.play(speech)
             cleared = await call.next_event("output_audio_buffer.cleared", timeout=10)
+            assert cleared["response_id"]
             onset = call.microphone.clip_started[n_clips]
             # the first frame after which the agent stays silent for 200 ms
             deadline = time.monotonic() + 5
@@ -147,36 +231,17 @@ async def test_barge_in_stops_the_agent_fast(server, make_speech) -> None:
                 assert time.monotonic() < deadline, "agent audio never stopped"
                 await asyncio.sleep(0.05)
             latencies_ms.append((arrivals[stop] - onset) * 1000)
-            uplink_ms.append((gateway.calls[call.call_id].interrupted_at[-1] - onset) * 1000)
-            assert cleared["response_id"]
+            onsets.append(onset)
             done = await call.next_event("response.done", timeout=10)
-            assert done["response"]["status"] == "cancelled"
-        p50, p95 = np.percentile(latencies_ms, [50, 95])
-        cancel = gateway.metrics.cancel_latency
-        print(
-            f"\nbarge-in at the client over {len(latencies_ms)} trials: p50 {p50:.0f} ms, "
-            f"p95 {p95:.0f} ms, max {max(latencies_ms):.0f} ms; of which speech sent -> "
-            f"gateway interrupts p50 {np.percentile(uplink_ms, 50):.0f} ms, "
-            f"p95 {np.percentile(uplink_ms, 95):.0f} ms"
-        )
-        for stage in ("encoder", "reasoning", "vocoder"):
-            total, count = _sum_count(cancel, stage)
-            print(f"  server cancel ack mean {stage}: {1000 * total / max(1, count):.1f} ms")
-        # the target is 150 ms (docs/benchmarks.md has the runs); this bound catches a barge-in
-        # that waits for the end of a phrase or of the caller's words, as peers do (0.5-0.6 s)
-        assert p95 < 400, f"barge-in p95 {p95:.0f} ms"
+            statuses.append(done["response"]["status"])
+        return {
+            "call_id": call.call_id,
+            "latencies_ms": latencies_ms,
+            "onsets": onsets,
+            "statuses": statuses,
+        }
     finally:
         await call.close()
-
-
-def _sum_count(histogram, stage: str) -> tuple[float, float]:
-    found = {
-        s.name.rsplit("_", 1)[-1]: s.value
-        for metric in histogram.collect()
-        for s in metric.samples
-        if s.labels.get("stage") == stage
-    }
-    return found.get("sum", 0.0), found.get("count", 0.0)
 
 
 def _callers_process(base: str, n: int, speech: np.ndarray, conn) -> None:
