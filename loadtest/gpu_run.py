@@ -44,7 +44,7 @@ import tempfile
 import time
 import typing
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -609,23 +609,20 @@ class Vocoders:
         return f"{self.replicas}x{self.batch}"
 
 
-def _sharings(text: str) -> list[str]:
-    sharings = [v for v in text.split(",") if v]
-    for v in sharings:
-        if v not in (modes := _gpu_sharing_modes()):
-            raise argparse.ArgumentTypeError(f"gpu sharing {v!r}: one of {', '.join(modes)}")
-    return sharings
+def _one_of(what: str, allowed: Callable[[], tuple[str, ...]]) -> Callable[[str], list[str]]:
+    """An argparse type for comma-separated variants, each one of `allowed()`."""
+
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        for v in values:
+            if v not in (choices := allowed()):
+                raise argparse.ArgumentTypeError(f"{what} {v!r}: one of {', '.join(choices)}")
+        return values
+
+    return parse
 
 
 VOCODER_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _dtypes(text: str) -> list[str]:
-    dtypes = [v for v in text.split(",") if v]
-    for v in dtypes:
-        if v not in VOCODER_DTYPES:
-            raise argparse.ArgumentTypeError(f"vocoder dtype {v!r}: one of {VOCODER_DTYPES}")
-    return dtypes
 
 
 @dataclass(frozen=True)
@@ -723,7 +720,8 @@ def layout_config(
     trace_dir: str | None = None,
 ) -> tuple[Any, list[str]]:
     """The layout's configuration with the built models' folders; notes on what was changed.
-    `trace_dir`: where the gateway processes trace the stage records they receive."""
+    `trace_dir`: where the gateway processes trace the stage records they receive, when there
+    are several (one is tapped in place)."""
     from gateway.config import GatewayConfig, load_config
 
     overrides: dict[str, Any] = {
@@ -754,9 +752,11 @@ def layout_config(
         }
         notes.append("CPU try-out: every stage on the CPU, tiny models")
     overrides |= chosen  # after the try-out's options, which replace the file's whole dicts
-    if trace_dir is not None:
-        overrides["gateway.trace_dir"] = trace_dir
-    return load_config(CONFIGS / LAYOUT_CONFIGS[name], overrides), notes
+    config = load_config(CONFIGS / LAYOUT_CONFIGS[name], overrides)
+    if trace_dir is not None and config.gateway.processes > 1:  # the file's, --set's or a variant's
+        gateway = config.gateway.model_copy(update={"trace_dir": trace_dir})
+        config = config.model_copy(update={"gateway": gateway})
+    return config, notes
 
 
 def run_layout(
@@ -766,9 +766,7 @@ def run_layout(
     from stages.supervisor import Supervisor
 
     traces = tempfile.TemporaryDirectory(prefix="omni-trace-")
-    # one gateway process is tapped in place; more trace what they receive (gateway.trace)
-    trace_dir = traces.name if (variant.gateway_processes or 1) > 1 else None
-    config, notes = layout_config(name, models, args.gpu_count, args.device, variant, trace_dir)
+    config, notes = layout_config(name, models, args.gpu_count, args.device, variant, traces.name)
     out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
     t0 = time.monotonic()
     with traces, Supervisor(config, gateways=config.gateway.processes) as supervisor:
@@ -888,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--gpu-sharing",
-        type=_sharings,
+        type=_one_of("gpu sharing", _gpu_sharing_modes),
         default=[None],
         help="GPU sharing variants to run side by side: time-slice,mps (CUDA MPS daemon run by "
         "the supervisor); default: as each layout's file says",
@@ -901,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--vocoder-dtype",
-        type=_dtypes,
+        type=_one_of("vocoder dtype", lambda: VOCODER_DTYPES),
         default=[None],
         help="vocoder (SpeechT5) dtype variants to run side by side, e.g. float32,bfloat16",
     )

@@ -117,29 +117,13 @@ async def test_barge_in_stops_the_agent_fast(config, server, make_speech) -> Non
     gateway = gateway_of(app)
     speech = speech48k(make_speech("stop please I have another question"))
     before = _bucket_counts(gateway.metrics.cancel_latency)
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    opus = config.gateway.opus
-    proc = ctx.Process(target=_barge_in_process, args=(base, speech, 20, opus, child))
-    proc.start()
     interrupted: dict[str, list[float]] = {}  # the gateway's interrupt times, per call
 
-    async def snapshot_interrupts() -> None:
-        while True:  # the call vanishes when the caller hangs up: keep a copy as it runs
-            for cid, call in list(gateway.calls.items()):
-                interrupted[cid] = list(call.interrupted_at)
-            await asyncio.sleep(0.05)
+    def keep(cid: str, call) -> None:
+        interrupted[cid] = list(call.interrupted_at)
 
-    watcher = asyncio.create_task(snapshot_interrupts())
-    try:
-        ready = await asyncio.to_thread(parent.poll, 240)
-        assert ready, "the caller's process produced no report"
-        report = parent.recv()
-    finally:
-        watcher.cancel()
-        await asyncio.to_thread(proc.join, 30)
-        if proc.is_alive():
-            proc.kill()
+    args = (base, speech, 20, config.gateway.opus)
+    report = await report_while_serving(gateway, _barge_in_process, args, keep, every_s=0.05)
     assert "error" not in report, report.get("error")
     assert report["statuses"] == ["cancelled"] * 20
     latencies_ms, onsets = report["latencies_ms"], report["onsets"]
@@ -169,6 +153,33 @@ async def test_barge_in_stops_the_agent_fast(config, server, make_speech) -> Non
     # the target is 150 ms (docs/benchmarks.md has the runs); this bound catches a barge-in
     # that waits for the end of a phrase or of the caller's words, as peers do (0.5-0.6 s)
     assert p95 < 400, f"barge-in p95 {p95:.0f} ms"
+
+
+async def report_while_serving(gateway, target, args: tuple, keep, every_s: float = 0.1) -> dict:
+    """Run `target(*args, conn)` in a process of its own while this loop serves its calls, and
+    return what it sends. Every `every_s`, `keep(call_id, call)` copies what the test needs of
+    each call in progress: a call vanishes from the gateway when its caller hangs up."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child))
+    proc.start()
+
+    async def snapshot() -> None:
+        while True:
+            for cid, call in list(gateway.calls.items()):
+                keep(cid, call)
+            await asyncio.sleep(every_s)
+
+    watcher = asyncio.create_task(snapshot())
+    try:
+        ready = await asyncio.to_thread(parent.poll, 240)
+        assert ready, f"{target.__name__} produced no report"
+        return parent.recv()
+    finally:
+        watcher.cancel()
+        await asyncio.to_thread(proc.join, 30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _bucket_counts(histogram) -> dict[str, dict[float, float]]:
@@ -256,38 +267,28 @@ async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> No
     base, app = server
     gateway = gateway_of(app)
     speech = speech48k(make_speech("tell me something nice"))
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_callers_process, args=(base, 10, speech, child))
-    proc.start()
     frame_log: dict[str, list[float]] = {}
     server_view: dict[str, dict[str, object]] = {}  # what the gateway saw of each call
 
-    async def snapshot_server_frames() -> None:
-        while True:  # the calls vanish when the callers hang up: keep copies as they run
-            for cid, call in list(gateway.calls.items()):
-                frame_log[cid] = list(call.frame_arrivals)
-                server_view[cid] = {
-                    "frames_in": call.audio_in_frames,
-                    "turns": call.turn_id,
-                    "awaiting_transcript": sorted(call.awaiting_transcript),
-                    "items": len(call.items),
-                    "said": call.items.history(),  # items with text: (role, text)
-                    "responding": call.response is not None,
-                }
-            await asyncio.sleep(0.1)
+    def keep(cid: str, call) -> None:
+        frame_log[cid] = list(call.frame_arrivals)
+        server_view[cid] = {
+            "frames_in": call.audio_in_frames,
+            "turns": call.turn_id,
+            "awaiting_transcript": sorted(call.awaiting_transcript),
+            "items": len(call.items),
+            "said": call.items.history(),  # items with text: (role, text)
+            "responding": call.response is not None,
+        }
+        playout = getattr(call.transport, "playout", None)
+        if playout is not None:  # did the reply reach playout, and did it play?
+            server_view[cid] |= {
+                "played_samples": playout.played_samples,
+                "queued_samples": playout.queued_samples,
+                "held": playout.held,
+            }
 
-    watcher = asyncio.create_task(snapshot_server_frames())
-    try:
-        # serve the calls on this loop while the callers run; collect the server's view
-        ready = await asyncio.to_thread(parent.poll, 240)
-        assert ready, "the callers' process produced no report"
-        report = parent.recv()
-    finally:
-        watcher.cancel()
-        await asyncio.to_thread(proc.join, 30)
-        if proc.is_alive():
-            proc.kill()
+    report = await report_while_serving(gateway, _callers_process, (base, 10, speech), keep)
     failures = zip(report["call_ids"], report["failures"], strict=True)
     missing = {cid: (why, server_view.get(cid)) for cid, why in failures if why}
     assert not missing, f"callers without a reply (and the gateway's view): {missing}"
