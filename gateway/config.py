@@ -68,6 +68,14 @@ class GatewayConfig(Strict):
         description="jitter-buffer frames before "
         "playout of caller audio (aiortc's default is 4, ~80 ms)",
     )
+    udp_reads_per_wake: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="queued datagrams an ICE socket reads each time the event loop wakes it: "
+        "asyncio reads 1, and a busy loop then falls behind 50 packets a second (media and "
+        "ICE consent wait; calls drop after 30 s)",
+    )
     opus: Literal["opuslib", "aiortc"] = Field(
         "opuslib",
         description="Opus for WebRTC media: libopus at the pipeline's rates (16 kHz mono in, "
@@ -154,9 +162,15 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Om
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     for dotted, value in (overrides or {}).items():
-        node = data = data if isinstance(data, dict) else {}
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+        data = data if isinstance(data, dict) else {}
+        set_dotted(data, dotted, value)
     return parse_config(data, str(path))
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """`data["gateway"]["port"] = value` for dotted "gateway.port", making the levels missing."""
+    node = data
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value

@@ -34,7 +34,9 @@ PARENT_CHECK_S = 0.5  # how often a gateway process checks that `omni-gateway st
 
 def prepare_media(config: OmniConfig) -> None:
     """Process-wide aiortc/aioice settings; before the first peer connection."""
-    aiortc_tuning.apply(config.gateway.audio_prefetch, config.gateway.opus)
+    aiortc_tuning.apply(
+        config.gateway.audio_prefetch, config.gateway.opus, config.gateway.udp_reads_per_wake
+    )
     restrict_host_addresses(config.gateway.ice_host_addresses)
 
 

@@ -173,6 +173,7 @@ class RealtimeSession:
         self._in_rs: Upsampler | None = None
         self._opus: PacketCodec | None = None
         self.closed = asyncio.Event()
+        self.close_reason: str | None = None  # why it ended, once it has
         self._pending_events: list[dict[str, Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.audio_in_frames = 0
@@ -904,6 +905,7 @@ class RealtimeSession:
         if self.closed.is_set():
             return
         self.closed.set()
+        self.close_reason = reason
         self.log.info("session closed: %s", reason)
         self.response = None
         if self.transport is not None:

@@ -31,11 +31,12 @@ FRAME = 960
 def stock_aiortc() -> Iterator[None]:
     """Start from stock aiortc and leave the tuning as it was found."""
     was_applied, prefetch = aiortc_tuning.applied(), aiortc_tuning.audio_prefetch()
+    reads = aiortc_tuning.udp_reads_per_wake()
     aiortc_tuning.restore()
     yield
     aiortc_tuning.restore()
     if was_applied:
-        aiortc_tuning.apply(prefetch)
+        aiortc_tuning.apply(prefetch, udp_reads_per_wake=reads)
 
 
 def audio_frame(pcm: np.ndarray, layout: str) -> AudioFrame:
@@ -89,8 +90,58 @@ def test_apply_is_idempotent_and_restore_undoes_it(stock_aiortc: None) -> None:
     assert aiortc.rtp.compute_audio_level_dbov is aiortc_tuning._STOCK_LEVEL
     assert aiortc.rtcrtpreceiver.JitterBuffer is aiortc_tuning._STOCK_JITTER_BUFFER
     assert RTCRtpSender._next_encoded_frame is stock_sender
+    assert aiortc_tuning._DatagramTransport._read_ready is aiortc_tuning._STOCK_DATAGRAM_READ
     with pytest.raises(ValueError, match="audio_prefetch"):
         aiortc_tuning.apply(-1)
+    with pytest.raises(ValueError, match="udp_reads_per_wake"):
+        aiortc_tuning.apply(udp_reads_per_wake=0)
+
+
+class _CountingStun(aioice.ice.StunProtocol):
+    """aioice's protocol, as the drained read recognizes it, recording what it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(receiver=None)  # type: ignore[arg-type]
+        self.received: list[bytes] = []
+
+    def datagram_received(self, data: bytes | str, addr: tuple[Any, ...]) -> None:
+        self.received.append(bytes(data))  # type: ignore[arg-type]
+
+
+class _Counting(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        self.received.append(data)
+
+
+async def _one_wake(protocol: asyncio.DatagramProtocol, queued: int) -> int:
+    """Queue `queued` datagrams on a socket, wake its transport's reader once, count reads."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)  # queued at send
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(lambda: protocol, sock=ours)
+    try:
+        for i in range(queued):
+            theirs.send(i.to_bytes(2, "big"))
+        # No await between the sends and this call: the loop cannot read any of them first.
+        transport._read_ready()  # type: ignore[attr-defined]
+        got = protocol.received  # type: ignore[attr-defined]
+        assert got == [i.to_bytes(2, "big") for i in range(len(got))]  # in order, none lost
+        return len(got)
+    finally:
+        transport.close()
+        theirs.close()
+
+
+async def test_ice_sockets_read_what_is_queued_on_each_wake(stock_aiortc: None) -> None:
+    assert await _one_wake(_CountingStun(), 40) == 1  # asyncio's own read
+    aiortc_tuning.apply(udp_reads_per_wake=32)
+    assert await _one_wake(_CountingStun(), 40) == 32
+    assert await _one_wake(_CountingStun(), 5) == 5  # stops when the socket is drained
+    assert await _one_wake(_Counting(), 40) == 1  # other protocols' sockets: as asyncio
 
 
 def test_verify_passes_on_installed_aiortc() -> None:
@@ -104,6 +155,7 @@ def test_verify_passes_on_installed_aiortc() -> None:
         (aiortc.rtcrtpreceiver, "JitterBuffer"),
         (RTCRtpSender, "_next_encoded_frame"),
         (RTCRtpSender, "kind"),
+        (aioice.ice, "StunProtocol"),
     ],
 )
 def test_verify_fails_when_a_patched_internal_is_missing(
@@ -127,6 +179,17 @@ def test_verify_fails_when_the_sender_no_longer_uses_the_executor(
 
     monkeypatch.setattr(aiortc_tuning, "_STOCK_NEXT_ENCODED_FRAME", rewritten)
     with pytest.raises(aiortc_tuning.AiortcTuningError, match="run_in_executor"):
+        aiortc_tuning.verify()
+
+
+def test_verify_fails_when_asyncio_reads_datagrams_another_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def rewritten(self: object) -> None:
+        return None
+
+    monkeypatch.setattr(aiortc_tuning, "_STOCK_DATAGRAM_READ", rewritten)
+    with pytest.raises(aiortc_tuning.AiortcTuningError, match="recvfrom"):
         aiortc_tuning.verify()
 
 

@@ -267,34 +267,40 @@ async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> No
     base, app = server
     gateway = gateway_of(app)
     speech = speech48k(make_speech("tell me something nice"))
-    frame_log: dict[str, list[float]] = {}
-    server_view: dict[str, dict[str, object]] = {}  # what the gateway saw of each call
+    calls = {}  # the gateway's sessions, kept past their end for what they saw
 
-    def keep(cid: str, call) -> None:
-        frame_log[cid] = list(call.frame_arrivals)
-        server_view[cid] = {
+    def server_view(call) -> dict[str, object]:
+        """What the gateway saw of a call: did the reply reach playout, did it play?"""
+        view = {
+            "closed": call.close_reason,
             "frames_in": call.audio_in_frames,
             "turns": call.turn_id,
             "awaiting_transcript": sorted(call.awaiting_transcript),
-            "items": len(call.items),
             "said": call.items.history(),  # items with text: (role, text)
             "responding": call.response is not None,
         }
         playout = getattr(call.transport, "playout", None)
-        if playout is not None:  # did the reply reach playout, and did it play?
-            server_view[cid] |= {
+        if playout is not None:
+            view |= {
                 "played_samples": playout.played_samples,
                 "queued_samples": playout.queued_samples,
                 "held": playout.held,
             }
+        return view
 
-    report = await report_while_serving(gateway, _callers_process, (base, 10, speech), keep)
+    report = await report_while_serving(
+        gateway, _callers_process, (base, 10, speech), calls.__setitem__
+    )
     failures = zip(report["call_ids"], report["failures"], strict=True)
-    missing = {cid: (why, server_view.get(cid)) for cid, why in failures if why}
+    missing = {
+        cid: (why, calls.get(cid) and server_view(calls[cid])) for cid, why in failures if why
+    }
     assert not missing, f"callers without a reply (and the gateway's view): {missing}"
     start, end = report["window"]
     gaps_in = [
-        worst_gap_ms(frame_log[cid], start, end) for cid in report["call_ids"] if cid in frame_log
+        worst_gap_ms(list(calls[cid].frame_arrivals), start, end)
+        for cid in report["call_ids"]
+        if cid in calls
     ]
     print(
         f"\n10 callers: replies after {report['reply_wait_s']:.1f} s; worst inter-frame "
