@@ -16,7 +16,8 @@ table, and states the machine.
 
 `--barge-in-hold both` runs each count with gateway.barge_in_hold off, then on, to measure the
 barge-in it saves (the agent silenced at the caller's first voiced frame instead of at the
-VAD's onset decision).
+VAD's onset decision). `--set KEY=V1,V2` (repeatable) runs each count with any other config key
+at each value, e.g. `--set gateway.udp_reads_per_wake=1,32`.
 
 On a GPU machine, `--layout one` runs loadtest.gpu_run's layout instead of a config file, on
 the random-weight models of real shapes it builds (or finds) in `--models-root`.
@@ -29,6 +30,7 @@ import asyncio
 import concurrent.futures
 import copy
 import datetime
+import itertools
 import json
 import multiprocessing as mp
 import shutil
@@ -41,7 +43,8 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.gpu_run import caller_speech, log, run_callers, summary
+from gateway.config import ConfigError
+from loadtest.gpu_run import add_set_argument, caller_speech, log, run_callers, summary
 from loadtest.report import Processes, gap_figures, machine, spoken_questions
 from loadtest.service import Service
 
@@ -52,15 +55,27 @@ GAP_INTERVAL_S = 0.08  # a 20 ms frame stream's interval over this is a gap over
 
 
 def config_for(
-    data: dict[str, Any], processes: int, max_calls: int, out: Path, hold: bool = True
+    data: dict[str, Any],
+    processes: int,
+    max_calls: int,
+    out: Path,
+    hold: bool = True,
+    settings: tuple[tuple[str, Any], ...] = (),
 ) -> Path:
-    """A config file: `data` with `processes` gateway processes taking `max_calls` calls, and
-    gateway.barge_in_hold set to `hold`."""
+    """A config file: `data` with `processes` gateway processes taking `max_calls` calls,
+    gateway.barge_in_hold set to `hold`, and any other keys as `settings` say (validated)."""
+    from gateway.config import parse_config, set_dotted
+
     data = copy.deepcopy(data)
     gateway = data.setdefault("gateway", {})
     gateway |= {"processes": processes, "max_calls": max_calls, "barge_in_hold": hold}
     data["max_sessions"] = max(data.get("max_sessions", 64), max_calls + 2 * processes)
-    path = out / f"config-{processes}{'' if hold else '-no-hold'}.yaml"
+    for key, value in settings:
+        set_dotted(data, key, value)
+    parse_config(data, "--set")
+    name = "-".join([str(processes), *([] if hold else ["no-hold"])])
+    name += "".join(f"-{k}={v}" for k, v in settings)
+    path = out / f"config-{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -271,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="gateway.barge_in_hold; both: each process count with it off, then on",
     )
+    add_set_argument(parser, "gateway.udp_reads_per_wake=1,32")
     parser.add_argument("--per-process", type=int, default=4, help="callers per process")
     parser.add_argument("--out", type=Path, default=Path("out/gateway-scaling"))
     args = parser.parse_args(argv)
@@ -290,9 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     clips = spoken_questions() if shutil.which("espeak-ng") else [caller_speech()]
     max_calls = 2 * max(args.loads)  # room for calls of the last load still closing
     holds = {"on": [True], "off": [False], "both": [False, True]}[args.barge_in_hold]
-    for count, hold in [(c, h) for c in args.processes for h in holds]:
-        path = config_for(config.model_dump(mode="json"), count, max_calls, args.out, hold)
+    runs = []  # (label, config file); every variant's config is checked before any runs
+    for count, hold, *settings in itertools.product(args.processes, holds, *args.set):
+        data = config.model_dump(mode="json")
+        try:
+            path = config_for(data, count, max_calls, args.out, hold, tuple(settings))
+        except ConfigError as exc:
+            parser.error(str(exc))
         label = str(count) if holds == [True] else f"{count}, hold {'on' if hold else 'off'}"
+        runs.append((", ".join([label, *(f"{k}={v}" for k, v in settings)]), path))
+    for label, path in runs:
         with Service(path, echo=True) as service:
             try:
                 results["runs"][label] = asyncio.run(

@@ -711,6 +711,19 @@ def parse_setting(text: str) -> list[tuple[str, Any]]:
     return [(key, yaml.safe_load(v)) for v in values.split(",")]
 
 
+def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    """`--set KEY=V1,V2`, repeatable, parsed into a list of dimensions (parse_setting)."""
+    parser.add_argument(
+        "--set",
+        type=parse_setting,
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help=f"any config key's variants, e.g. --set {example} (repeatable: every "
+        "combination runs)",
+    )
+
+
 def layout_config(
     name: str,
     models: Any,
@@ -917,15 +930,7 @@ def main(argv: list[str] | None = None) -> int:
         help="gateway.processes variants, e.g. 1,4 (32 callers need more than one); default: "
         "the file's",
     )
-    parser.add_argument(
-        "--set",
-        type=parse_setting,
-        action="append",
-        default=[],
-        metavar="KEY=V1,V2",
-        help="any config key's variants, e.g. --set reasoning.sampling.max_tokens=400,60 "
-        "(repeatable: every combination runs)",
-    )
+    add_set_argument(parser, "reasoning.sampling.max_tokens=400,60")
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))

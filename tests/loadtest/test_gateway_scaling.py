@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+import yaml
 from prometheus_client import generate_latest
 
+from gateway.config import ConfigError, load_config
 from gateway.metrics import GatewayMetrics
 from loadtest.gateway_scaling import (
+    CONFIG,
     carries,
+    config_for,
     gaps_at_gateway,
     load_figures,
     parse_frame_intervals,
@@ -54,3 +61,18 @@ def test_gateway_gaps_are_read_from_its_metrics() -> None:
         "in": {"intervals": 4, "within_80ms": 2},
         "out": {"intervals": 1, "within_80ms": 1},
     }
+
+
+def test_each_variant_gets_a_config_file_of_its_own_and_bad_keys_are_refused(
+    tmp_path: Path,
+) -> None:
+    data = yaml.safe_load(CONFIG.read_text())
+    one = config_for(data, 2, 8, tmp_path, settings=(("gateway.udp_reads_per_wake", 1),))
+    other = config_for(data, 2, 8, tmp_path, settings=(("gateway.udp_reads_per_wake", 32),))
+    assert one != other
+    assert load_config(one).gateway.udp_reads_per_wake == 1
+    assert load_config(other).gateway.processes == 2
+    with pytest.raises(ConfigError, match="udp_reads_per_wake"):
+        config_for(data, 1, 8, tmp_path, settings=(("gateway.udp_reads_per_wake", 0),))
+    with pytest.raises(ConfigError, match="no_such_key"):
+        config_for(data, 1, 8, tmp_path, settings=(("gateway.no_such_key", 1),))
