@@ -6,7 +6,9 @@ Five changes, all applied by `apply()` and undone by `restore()`:
   loop of about 175 µs per stereo frame on the event loop; a numpy version computes the same integer
   in a few µs.
 - The audio jitter buffer that `RTCRtpReceiver` builds holds `prefetch=4` frames (about 80 ms per
-  receiving hop) before it releases one; the gateway wants a low, configurable prefetch.
+  receiving hop) before it releases one; the gateway wants a low, configurable prefetch. And
+  stock, one lost packet leaves the frames queued behind it queued for the rest of the call
+  (~280 ms); the buffer here waits 40 ms for a missing packet, then drops it and catches up.
 - `RTCRtpSender._next_encoded_frame` hands every encode to the default executor; for Opus (tens
   of µs per 20 ms frame) the thread hop costs more than the encode and makes many calls queue
   behind a few executor threads, so audio is encoded inline. Video keeps aiortc's executor path.
@@ -45,6 +47,7 @@ from aiortc.jitterbuffer import JitterBuffer
 from aiortc.rtcrtpparameters import RTCRtpCodecParameters
 from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
+from aiortc.utils import uint16_add as _uint16_add
 from av import AudioFrame
 
 from gateway.opus import OpuslibDecoder, OpuslibEncoder, opuslib
@@ -128,17 +131,38 @@ def compute_audio_level_dbov(frame: AudioFrame) -> int:
 
 
 class _PrefetchJitterBuffer(_STOCK_JITTER_BUFFER):
-    """aiortc's JitterBuffer with the audio prefetch taken from `apply(audio_prefetch=...)`.
+    """aiortc's JitterBuffer with the audio prefetch taken from `apply(audio_prefetch=...)`, and
+    a bounded wait for a lost audio packet.
 
     Installed only as the name `JitterBuffer` inside aiortc.rtcrtpreceiver, the one place that
     builds receive buffers; video buffers pass through unchanged. Prefetch 0 and 1 behave the
     same: a frame is released when the first packet of the next frame arrives.
+
+    Stock, a missing packet blocks every frame behind it until the buffer is full (16 packets
+    for audio), and as it releases one frame per packet added, the frames queued meanwhile stay
+    queued: one lost packet adds ~300 ms to the rest of the call. Here an audio buffer waits
+    `LATE_PACKETS` packets for a missing one, then gives up on it and drops the oldest frames
+    until it is back at its prefetch; a packet that comes after that is ignored as too late.
     """
+
+    LATE_PACKETS = 2  # 40 ms of 20 ms packets: reordering on a path, not a loss
 
     def __init__(self, capacity: int, prefetch: int = 0, is_video: bool = False) -> None:
         if not is_video:
             prefetch = _state["audio_prefetch"]
         super().__init__(capacity, prefetch=prefetch, is_video=is_video)
+
+    def add(self, packet: Any) -> tuple[bool, Any]:
+        pli_flag, frame = super().add(packet)
+        if self._is_video or self._origin is None:
+            return pli_flag, frame
+        keep = max(self._prefetch, 1)  # packets held normally: the next frame's first
+        span = _uint16_add(packet.sequence_number, -self._origin) + 1
+        if span > keep + self.LATE_PACKETS:
+            self.smart_remove(span - keep)  # whole frames, oldest first, holes included
+            if frame is None:
+                frame = self._remove_frame(packet.sequence_number)
+        return pli_flag, frame
 
 
 async def _next_encoded_frame_inline(

@@ -76,6 +76,42 @@ def test_audio_level_is_faster() -> None:
     assert tuned < stock
 
 
+def _released(buffer: Any, sequence: list[int]) -> list[tuple[int, int | None]]:
+    """(packet added, frame released or None) for one 20 ms Opus packet per frame."""
+    from aiortc.rtp import RtpPacket
+
+    out = []
+    for seq in sequence:
+        packet = RtpPacket(payload_type=111, sequence_number=seq, timestamp=seq * 960)
+        packet._data = bytes([seq % 256])  # type: ignore[attr-defined]
+        _, frame = buffer.add(packet)
+        out.append((seq, None if frame is None else frame.timestamp // 960))
+    return out
+
+
+def test_a_lost_audio_packet_delays_the_call_for_a_moment_not_for_good(
+    stock_aiortc: None,
+) -> None:
+    sent = [s for s in range(80) if s != 5]  # packet 5 lost
+    stock = _released(aiortc.rtcrtpreceiver.JitterBuffer(capacity=16, prefetch=1), sent)
+    # aiortc: the frames queued behind the hole stay queued, 14 packets (280 ms) for good
+    assert [seq - frame for seq, frame in stock[-10:] if frame is not None] == [14] * 10
+
+    aiortc_tuning.apply(audio_prefetch=1)
+    tuned = _released(aiortc.rtcrtpreceiver.JitterBuffer(capacity=16, prefetch=4), sent)
+    frames = [frame for _, frame in tuned if frame is not None]
+    assert frames == sorted(set(frames))  # in order, none twice
+    assert [seq - frame for seq, frame in tuned[10:]] == [1] * len(tuned[10:])  # back to 20 ms
+    assert len(frames) >= len(sent) - 4  # the lost packet cost at most 3 frames beside it
+
+    # reordering within 40 ms is waited for: every frame comes out, in order (the buffer then
+    # holds one frame more, 20 ms, as aiortc's does; a few such and it trims back)
+    swapped = list(range(40))
+    swapped[7], swapped[8] = 8, 7
+    late = _released(aiortc.rtcrtpreceiver.JitterBuffer(capacity=16, prefetch=4), swapped)
+    assert [frame for _, frame in late if frame is not None] == list(range(38))
+
+
 def test_apply_is_idempotent_and_restore_undoes_it(stock_aiortc: None) -> None:
     stock_sender = RTCRtpSender._next_encoded_frame
     aiortc_tuning.apply()
