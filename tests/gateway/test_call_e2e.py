@@ -129,8 +129,16 @@ async def test_barge_in_stops_the_agent_fast(config, server, make_speech, monkey
     feed = RealtimeSession.feed_audio
     monkeypatch.setattr(RealtimeSession, "feed_audio", feed_audio)
 
+    lost: dict[str, int] = {}  # uplink RTP packets the gateway never received, per call
+
     def keep(cid: str, call) -> None:
         interrupted[cid] = list(call.interrupted_at)
+        streams = [  # aiortc keeps RFC 3550's counts per remote stream, as getStats reports
+            stream
+            for receiver in call.transport.pc.getReceivers()
+            for stream in receiver._RTCRtpReceiver__remote_streams.values()
+        ]
+        lost[cid] = sum(stream.packets_lost for stream in streams)
 
     args = (base, speech, 20, config.gateway.opus)
     report = await report_while_serving(gateway, _barge_in_process, args, keep, every_s=0.05)
@@ -149,7 +157,8 @@ async def test_barge_in_stops_the_agent_fast(config, server, make_speech, monkey
         f"gateway interrupts p50 {np.percentile(uplink_ms, 50):.0f} ms, "
         f"p95 {np.percentile(uplink_ms, 95):.0f} ms (speech sent -> its first frame at the "
         f"gateway's VAD p50 {np.percentile(transit_ms, 50):.0f} ms, "
-        f"p95 {np.percentile(transit_ms, 95):.0f} ms)"
+        f"p95 {np.percentile(transit_ms, 95):.0f} ms); uplink packets lost: "
+        f"{lost[report['call_id']]}"
     )
     deadline = time.monotonic() + 5  # the last trial's acks may still be on their way
     while True:
