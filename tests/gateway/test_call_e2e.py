@@ -220,9 +220,11 @@ def _barge_in_process(base: str, speech: np.ndarray, trials: int, opus: str, con
     import traceback
 
     from gateway import aiortc_tuning
+    from gateway.ice import restrict_host_addresses
 
     try:
         aiortc_tuning.apply(1, opus=opus)
+        restrict_host_addresses(["127.0.0.1"])  # as the load generator: loopback only
         conn.send(asyncio.run(_barge_in_trials(base, speech, trials)))
     except Exception:
         conn.send({"error": traceback.format_exc()})
