@@ -43,7 +43,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import ConfigError
+from gateway.config import ConfigError, parse_config, set_dotted
 from loadtest.gpu_run import add_set_argument, caller_speech, log, run_callers, summary
 from loadtest.report import Processes, gap_figures, machine, spoken_questions
 from loadtest.service import Service
@@ -64,8 +64,6 @@ def config_for(
 ) -> Path:
     """A config file: `data` with `processes` gateway processes taking `max_calls` calls,
     gateway.barge_in_hold set to `hold`, and any other keys as `settings` say (validated)."""
-    from gateway.config import parse_config, set_dotted
-
     data = copy.deepcopy(data)
     gateway = data.setdefault("gateway", {})
     gateway |= {"processes": processes, "max_calls": max_calls, "barge_in_hold": hold}

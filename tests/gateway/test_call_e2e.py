@@ -288,7 +288,8 @@ def _callers_process(base: str, n: int, speech: np.ndarray, conn) -> None:
 
 async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> None:
     """Ten callers from another process speak at once; all hear the agent. Audio gaps in both
-    directions are measured and printed (the target, none over 60 ms, is not met yet)."""
+    directions are measured and printed (the target, none over 60 ms, is met on the 16-core
+    GPU host and not on 2 cores: docs/benchmarks.md)."""
     base, app = server
     gateway = gateway_of(app)
     speech = speech48k(make_speech("tell me something nice"))
