@@ -341,8 +341,8 @@ async def test_a_lossy_uplink_is_heard_late_only_with_aiortcs_buffer(
     late, caught_up = (run["last_10_bursts_ms"]["p50"] for run in (stock, tuned))
     print(f"\none-way at 5% loss, last 10 bursts p50: aiortc {late:.0f}, ours {caught_up:.0f} ms")
     # 14 frames (280 ms) stay queued behind aiortc's first loss; the gateway waits 40 ms at most
-    assert late > 200
-    assert caught_up < 100
+    assert late - caught_up > 150, (stock, tuned)
+    assert caught_up < 100, tuned
 
 
 async def test_opuslib_decodes_at_the_pipeline_rate_and_keeps_the_round_trip(
