@@ -1,8 +1,9 @@
 """`omni-gateway start` run as a user runs it, for benchmarks and tests: its own process group,
-its log read as it comes, stopped with Ctrl-C."""
+its log read as it comes, stopped with Ctrl-C, and by the kernel if whoever started it dies."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import re
@@ -15,6 +16,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 CLI = [sys.executable, "-m", "gateway.cli"]
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# loaded now: a child between fork and exec must not import or load anything
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def ctrl_c_when_parent_dies() -> None:
+    """In a child before it execs: the kernel sends it SIGINT when the thread that started it
+    ends, however that ends (a benchmark killed by `timeout` or SIGKILL runs no `finally`).
+    A service started in a process group of its own would otherwise run on, and keep its
+    shared memory, after the benchmark that started it is gone. Start services from the main
+    thread: a worker thread's end would stop them too."""
+    if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 class Service:
@@ -29,6 +43,7 @@ class Service:
             text=True,
             cwd=ROOT,
             start_new_session=True,
+            preexec_fn=ctrl_c_when_parent_dies,
         )
         self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.seen: list[str] = []
