@@ -19,6 +19,9 @@ CLI = [sys.executable, "-m", "gateway.cli"]
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # loaded now: a child between fork and exec must not import or load anything
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+_libc.signal.restype = ctypes.c_void_p
+_SIG_DFL = 0
 
 
 def ctrl_c_when_parent_dies() -> None:
@@ -26,9 +29,13 @@ def ctrl_c_when_parent_dies() -> None:
     ends, however that ends (a benchmark killed by `timeout` or SIGKILL runs no `finally`).
     A service started in a process group of its own would otherwise run on, and keep its
     shared memory, after the benchmark that started it is gone. Start services from the main
-    thread: a worker thread's end would stop them too."""
+    thread: a worker thread's end would stop them too.
+
+    SIGINT is also set back to its default action: a benchmark run as a background job
+    inherits it ignored, and so would the service (Python then installs no Ctrl-C handler)."""
     if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    _libc.signal(signal.SIGINT, _SIG_DFL)
 
 
 class Service:
