@@ -54,16 +54,22 @@ class Microphone(MediaStreamTrack):
         self._start: float | None = None
         self.frames_sent = 0
         self.clip_started: list[float] = []  # monotonic time the first frame of a clip left
-        self._new_clip = False
         self.send_times: list[float] = []
+        # A clip played while another is still queued starts after it: each clip's first frame
+        # is known by its place in the queue's whole history, not as "the next frame popped".
+        self._clip_starts: collections.deque[int] = collections.deque()
+        self._queued_total = 0
+        self._popped_total = 0
 
     def play(self, pcm48k: np.ndarray) -> None:
         pcm = np.asarray(pcm48k, dtype=np.int16).reshape(-1)
         pad = (-len(pcm)) % FRAME
         pcm = np.concatenate([pcm, np.zeros(pad, np.int16)])
-        self._new_clip = True
+        if len(pcm):
+            self._clip_starts.append(self._queued_total)
         for i in range(0, len(pcm), FRAME):
             self._queue.append(pcm[i : i + FRAME])
+        self._queued_total += len(pcm) // FRAME
 
     @property
     def busy(self) -> bool:
@@ -82,9 +88,10 @@ class Microphone(MediaStreamTrack):
                 await asyncio.sleep(wait)
         if self._queue:
             pcm = self._queue.popleft()
-            if self._new_clip:
-                self._new_clip = False
+            if self._clip_starts and self._clip_starts[0] == self._popped_total:
+                self._clip_starts.popleft()
                 self.clip_started.append(time.monotonic())
+            self._popped_total += 1
         else:
             pcm = np.zeros(FRAME, np.int16)
         frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
