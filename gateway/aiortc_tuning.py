@@ -1,6 +1,6 @@
 """Runtime adjustments to aiortc for a many-call voice gateway; installed files are never edited.
 
-Five changes, all applied by `apply()` and undone by `restore()`:
+Six changes, all applied by `apply()` and undone by `restore()`:
 
 - `aiortc.rtp.compute_audio_level_dbov` (RFC 6465 level of every sent audio frame) is a pure-Python
   loop of about 175 µs per stereo frame on the event loop; a numpy version computes the same integer
@@ -12,6 +12,11 @@ Five changes, all applied by `apply()` and undone by `restore()`:
 - `RTCRtpSender._next_encoded_frame` hands every encode to the default executor; for Opus (tens
   of µs per 20 ms frame) the thread hop costs more than the encode and makes many calls queue
   behind a few executor threads, so audio is encoded inline. Video keeps aiortc's executor path.
+- Each `RTCRtpReceiver` decodes on a thread of its own, and every 20 ms packet crosses to it
+  and back (a queue.Queue, a GIL hand-off, `run_coroutine_threadsafe` writing to the loop's
+  self-pipe), which costs more than the decode. Audio is decoded on the loop as each frame
+  completes (`decode_on_loop`); the receiver's thread still starts but ends at once. Video
+  keeps its decoder thread.
 - With `opus="opuslib"`, Opus goes through libopus at the pipeline's rates (gateway.opus): every
   audio sender encodes 20 ms mono frames at an Opus rate as they are (no resampling to 48 kHz
   stereo), and receivers marked with `decode_at(receiver, rate)` decode straight to that rate,
@@ -29,11 +34,13 @@ upgrade that moves them fails loudly at start-up instead of silently running sto
 
 from __future__ import annotations
 
+import asyncio
 import asyncio.selector_events as _selector_events
 import inspect
+import logging
 import math
+import queue
 import sys
-import threading
 from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any
@@ -52,6 +59,8 @@ from av import AudioFrame
 
 from gateway.opus import OpuslibDecoder, OpuslibEncoder, opuslib
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "OPUS_CODECS",
     "AiortcTuningError",
@@ -60,6 +69,7 @@ __all__ = [
     "audio_prefetch",
     "compute_audio_level_dbov",
     "decode_at",
+    "decode_on_loop",
     "opus_codec",
     "restore",
     "udp_reads_per_wake",
@@ -83,13 +93,13 @@ _STOCK_JITTER_BUFFER: type[JitterBuffer] = _rtcrtpreceiver.JitterBuffer
 _STOCK_NEXT_ENCODED_FRAME: Callable[..., Coroutine[Any, Any, Any]] = (
     RTCRtpSender._next_encoded_frame
 )
-_STOCK_GET_DECODER: Callable[..., Any] = _rtcrtpreceiver.get_decoder
 _STOCK_GET_ENCODER: Callable[..., Any] = _rtcrtpsender.get_encoder
 _STOCK_DECODER_WORKER: Callable[..., None] = _rtcrtpreceiver.decoder_worker
+_STOCK_RECEIVER_INIT: Callable[..., None] = RTCRtpReceiver.__init__
+_RECEIVER_QUEUE = "_RTCRtpReceiver__decoder_queue"  # the decoder thread's queue, name-mangled
+_RECEIVER_ERROR = "_RTCRtpReceiver__decoder_error"  # set when a frame fails to decode
 _DatagramTransport: Any = _selector_events._SelectorDatagramTransport
 _STOCK_DATAGRAM_READ: Callable[[Any], None] = _DatagramTransport._read_ready
-_DECODE_RATE = "omni_decode_rate"  # set on a receiver's decoder queue by decode_at()
-_decoder_thread = threading.local()  # the rate the current decoder thread decodes at
 
 # Names the stock `_next_encoded_frame` must still use for the inline copy below to be faithful.
 _SENDER_NAMES = (
@@ -111,6 +121,7 @@ _state: dict[str, Any] = {
     "level_sites": [],
     "opus": "aiortc",
     "udp_reads_per_wake": 32,
+    "decode_on_loop": True,
 }
 
 
@@ -204,23 +215,79 @@ async def _next_encoded_frame_inline(
     return _rtcrtpsender.RTCEncodedFrame(payloads, timestamp, audio_level)
 
 
-def decode_at(receiver: RTCRtpReceiver, rate: int) -> None:
-    """Have `receiver` decode Opus straight to `rate` mono (with opus="opuslib"); call it
-    before the connection starts receiving (right after setRemoteDescription)."""
-    setattr(receiver._RTCRtpReceiver__decoder_queue, _DECODE_RATE, rate)  # type: ignore[attr-defined]
+class _AudioDecoder:
+    """Stands where an audio receiver keeps its decoder thread's queue. On the loop (the
+    default), `put` decodes the frame and hands the result to the receiver's track directly,
+    in the order the frames complete; else `put` queues it for the receiver's thread, which
+    decodes and hands over as aiortc's does. `put(None)` ends the track either way."""
+
+    def __init__(self, receiver: RTCRtpReceiver, on_loop: bool) -> None:
+        self._receiver = receiver
+        self.on_loop = on_loop
+        self.rate: int | None = None  # decode_at(): Opus straight to this rate, mono
+        self._decoder: Any = None
+        self._codec_name: str | None = None
+        self._tasks: queue.Queue[Any] = queue.Queue()
+
+    def put(self, task: tuple[RTCRtpCodecParameters, Any] | None) -> None:
+        if not self.on_loop:
+            self._tasks.put(task)
+            return
+        track = self._receiver._track
+        if track is not None:
+            for frame in self._decode(task):
+                track._queue.put_nowait(frame)
+
+    def run_thread(self, loop: asyncio.AbstractEventLoop, output_q: asyncio.Queue[Any]) -> None:
+        """The receiver's decoder thread, when decoding off the loop."""
+        while True:
+            task = self._tasks.get()
+            for frame in self._decode(task):
+                asyncio.run_coroutine_threadsafe(output_q.put(frame), loop)
+            if task is None:
+                return
+
+    def _decode(self, task: tuple[RTCRtpCodecParameters, Any] | None) -> list[Any]:
+        if task is None:
+            return [None]  # the track's end
+        codec, encoded_frame = task
+        if codec.name != self._codec_name:
+            self._decoder = self._decoder_for(codec)
+            self._codec_name = codec.name
+        try:
+            return list(self._decoder.decode(encoded_frame))
+        except Exception as exc:  # one bad frame must not stop the receiver: log, go on
+            logger.warning("dropped an audio frame %s failed to decode: %s", codec.name, exc)
+            getattr(self._receiver, _RECEIVER_ERROR).set()
+            return []
+
+    def _decoder_for(self, codec: RTCRtpCodecParameters) -> Any:
+        if self.rate and _state["opus"] == "opuslib" and codec.mimeType.lower() == "audio/opus":
+            return OpuslibDecoder(self.rate)
+        return _rtcrtpreceiver.get_decoder(codec)
+
+
+def _receiver_init(self: RTCRtpReceiver, kind: str, transport: Any) -> None:
+    _STOCK_RECEIVER_INIT(self, kind, transport)
+    if kind == "audio":
+        setattr(self, _RECEIVER_QUEUE, _AudioDecoder(self, _state["decode_on_loop"]))
 
 
 def _decoder_worker(loop: Any, input_q: Any, output_q: Any, decode_error: Any) -> None:
-    """aiortc's decoder thread, told which rate its receiver asked for."""
-    _decoder_thread.rate = getattr(input_q, _DECODE_RATE, None)
-    _STOCK_DECODER_WORKER(loop, input_q, output_q, decode_error)
+    """aiortc's decoder thread; an audio receiver's that decodes on the loop ends at once."""
+    if not isinstance(input_q, _AudioDecoder):
+        _STOCK_DECODER_WORKER(loop, input_q, output_q, decode_error)
+    elif not input_q.on_loop:
+        input_q.run_thread(loop, output_q)
 
 
-def _get_decoder(codec: RTCRtpCodecParameters) -> Any:
-    rate = getattr(_decoder_thread, "rate", None)
-    if rate and codec.mimeType.lower() == "audio/opus":
-        return OpuslibDecoder(rate)
-    return _STOCK_GET_DECODER(codec)
+def decode_at(receiver: RTCRtpReceiver, rate: int) -> None:
+    """Have `receiver` decode Opus straight to `rate` mono (with opus="opuslib"); call it
+    before the connection starts receiving (right after setRemoteDescription)."""
+    decoder = getattr(receiver, _RECEIVER_QUEUE)
+    if not isinstance(decoder, _AudioDecoder):
+        raise AiortcTuningError("decode_at() needs an audio receiver made after apply()")
+    decoder.rate = rate
 
 
 def _get_encoder(codec: RTCRtpCodecParameters) -> Any:
@@ -231,8 +298,6 @@ def _get_encoder(codec: RTCRtpCodecParameters) -> Any:
 
 def _set_opus(codec: str) -> None:
     libopus = codec == "opuslib"
-    _rtcrtpreceiver.decoder_worker = _decoder_worker if libopus else _STOCK_DECODER_WORKER  # type: ignore[assignment]
-    _rtcrtpreceiver.get_decoder = _get_decoder if libopus else _STOCK_GET_DECODER  # type: ignore[assignment]
     _rtcrtpsender.get_encoder = _get_encoder if libopus else _STOCK_GET_ENCODER  # type: ignore[assignment]
     _state["opus"] = codec
 
@@ -320,19 +385,37 @@ def verify() -> None:
     if not isinstance(inspect.getattr_static(RTCRtpSender, "kind", None), property):
         raise _fail("RTCRtpSender.kind is missing")
 
-    # (d) the codec factories and the receiver's decoder thread, for opus="opuslib"
+    # (d) the codec factories, and the receiver's decoder thread and the queue it reads, which
+    # the inline decoder stands in for
     for module, name in ((_rtcrtpreceiver, "get_decoder"), (_rtcrtpsender, "get_encoder")):
         if not callable(getattr(module, name, None)):
             raise _fail(f"{module.__name__}.{name} is missing")
     params = list(inspect.signature(_STOCK_DECODER_WORKER).parameters)
     if params != ["loop", "input_q", "output_q", "decode_error"]:
         raise _fail(f"rtcrtpreceiver.decoder_worker takes {params}")
-    if "get_decoder" not in _code_names(_STOCK_DECODER_WORKER):
-        raise _fail("rtcrtpreceiver.decoder_worker no longer calls get_decoder")
     if "decoder_worker" not in _code_names(RTCRtpReceiver.receive):
         raise _fail("RTCRtpReceiver.receive no longer starts decoder_worker")
-    if "_RTCRtpReceiver__decoder_queue" not in _code_names(RTCRtpReceiver.__init__):
-        raise _fail("RTCRtpReceiver no longer has a decoder queue")
+    params = list(inspect.signature(_STOCK_RECEIVER_INIT).parameters)
+    if params != ["self", "kind", "transport"]:
+        raise _fail(f"RTCRtpReceiver.__init__ takes {params[1:]}, not (kind, transport)")
+    remote_track = getattr(_rtcrtpreceiver, "RemoteStreamTrack", None)
+    for label, method, names in (
+        ("RTCRtpReceiver.__init__", _STOCK_RECEIVER_INIT, {_RECEIVER_QUEUE, _RECEIVER_ERROR}),
+        (
+            "RTCRtpReceiver._handle_rtp_packet",
+            getattr(RTCRtpReceiver, "_handle_rtp_packet", None),
+            {_RECEIVER_QUEUE, "put"},
+        ),
+        (
+            "RTCRtpReceiver.__stop_decoder",
+            getattr(RTCRtpReceiver, "_RTCRtpReceiver__stop_decoder", None),
+            {"put", "join"},
+        ),
+        ("RemoteStreamTrack.__init__", getattr(remote_track, "__init__", None), {"_queue"}),
+    ):
+        missing = sorted(names - _code_names(method))
+        if missing:
+            raise _fail(f"{label} no longer uses {missing}")
 
     # (e) asyncio's datagram read and the protocol aioice reads its sockets with
     if not isinstance(getattr(_aioice, "StunProtocol", None), type):
@@ -345,11 +428,18 @@ def verify() -> None:
         raise _fail(f"asyncio's datagram transport no longer reads with {missing}")
 
 
-def apply(audio_prefetch: int = 1, opus: str = "opuslib", udp_reads_per_wake: int = 32) -> None:
+def apply(
+    audio_prefetch: int = 1,
+    opus: str = "opuslib",
+    udp_reads_per_wake: int = 32,
+    decode_on_loop: bool = True,
+) -> None:
     """Install the patches (idempotent); a second call only changes the settings.
 
-    The prefetch and codec apply to peer connections created afterwards, the UDP reads to
-    sockets created afterwards. Call once at start-up, before any RTCPeerConnection exists.
+    The prefetch, codec and decoding place apply to peer connections created afterwards, the
+    UDP reads to sockets created afterwards. Call once at start-up, before any
+    RTCPeerConnection exists. `decode_on_loop=False` decodes audio on a thread per receiver
+    as aiortc does (for comparisons).
     """
     if audio_prefetch < 0:
         raise ValueError(f"audio_prefetch must be >= 0, got {audio_prefetch}")
@@ -361,6 +451,7 @@ def apply(audio_prefetch: int = 1, opus: str = "opuslib", udp_reads_per_wake: in
         opuslib()  # OpusUnavailable now, naming what to install, rather than at the first call
     _state["audio_prefetch"] = int(audio_prefetch)
     _state["udp_reads_per_wake"] = int(udp_reads_per_wake)
+    _state["decode_on_loop"] = bool(decode_on_loop)
     if _state["applied"]:
         _set_opus(opus)
         return
@@ -374,6 +465,8 @@ def apply(audio_prefetch: int = 1, opus: str = "opuslib", udp_reads_per_wake: in
     _state["level_sites"] = sites
     _rtcrtpreceiver.JitterBuffer = _PrefetchJitterBuffer  # type: ignore[misc]
     RTCRtpSender._next_encoded_frame = _next_encoded_frame_inline  # type: ignore[method-assign]
+    RTCRtpReceiver.__init__ = _receiver_init  # type: ignore[method-assign]
+    _rtcrtpreceiver.decoder_worker = _decoder_worker
     _DatagramTransport._read_ready = _read_ready_drained
     _set_opus(opus)
     _state["applied"] = True
@@ -388,6 +481,8 @@ def restore() -> None:
     _state["level_sites"] = []
     _rtcrtpreceiver.JitterBuffer = _STOCK_JITTER_BUFFER  # type: ignore[misc]
     RTCRtpSender._next_encoded_frame = _STOCK_NEXT_ENCODED_FRAME  # type: ignore[method-assign]
+    RTCRtpReceiver.__init__ = _STOCK_RECEIVER_INIT  # type: ignore[method-assign]
+    _rtcrtpreceiver.decoder_worker = _STOCK_DECODER_WORKER
     _DatagramTransport._read_ready = _STOCK_DATAGRAM_READ
     _set_opus("aiortc")
     _state["applied"] = False
@@ -406,6 +501,11 @@ def opus_codec() -> str:
 def udp_reads_per_wake() -> int:
     """How many queued datagrams an ICE socket reads per wake-up while the patches are in."""
     return int(_state["udp_reads_per_wake"]) if _state["applied"] else 1
+
+
+def decode_on_loop() -> bool:
+    """Whether audio receivers made now decode on the event loop (else on a thread each)."""
+    return bool(_state["decode_on_loop"]) and applied()
 
 
 def audio_prefetch() -> int:

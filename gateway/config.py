@@ -76,6 +76,12 @@ class GatewayConfig(Strict):
         "asyncio reads 1, and a busy loop then falls behind 50 packets a second (media and "
         "ICE consent wait; calls drop after 30 s)",
     )
+    audio_decode: Literal["loop", "thread"] = Field(
+        "loop",
+        description="where caller audio is decoded: on the event loop as each packet completes "
+        "a frame, or on a thread per call as aiortc does (each packet then crosses to it and "
+        "back, which costs the loop more than the decode)",
+    )
     opus: Literal["opuslib", "aiortc"] = Field(
         "opuslib",
         description="Opus for WebRTC media: libopus at the pipeline's rates (16 kHz mono in, "

@@ -34,10 +34,14 @@ PARENT_CHECK_S = 0.5  # how often a gateway process checks that `omni-gateway st
 
 def prepare_media(config: OmniConfig) -> None:
     """Process-wide aiortc/aioice settings; before the first peer connection."""
+    gateway = config.gateway
     aiortc_tuning.apply(
-        config.gateway.audio_prefetch, config.gateway.opus, config.gateway.udp_reads_per_wake
+        gateway.audio_prefetch,
+        gateway.opus,
+        gateway.udp_reads_per_wake,
+        decode_on_loop=gateway.audio_decode == "loop",
     )
-    restrict_host_addresses(config.gateway.ice_host_addresses)
+    restrict_host_addresses(gateway.ice_host_addresses)
 
 
 def vocoder_rate(supervisor: Supervisor) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import statistics
 import threading
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +18,8 @@ import numpy as np
 import pytest
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection
 from aiortc.codecs.opus import OpusEncoder
+from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+from aiortc.rtcrtpreceiver import RemoteStreamTrack, RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
 from av import AudioFrame
 
@@ -126,10 +130,61 @@ def test_apply_is_idempotent_and_restore_undoes_it(stock_aiortc: None) -> None:
     assert aiortc.rtcrtpreceiver.JitterBuffer is aiortc_tuning._STOCK_JITTER_BUFFER
     assert RTCRtpSender._next_encoded_frame is stock_sender
     assert aiortc_tuning._DatagramTransport._read_ready is aiortc_tuning._STOCK_DATAGRAM_READ
+    assert RTCRtpReceiver.__init__ is aiortc_tuning._STOCK_RECEIVER_INIT
+    assert aiortc.rtcrtpreceiver.decoder_worker is aiortc_tuning._STOCK_DECODER_WORKER
     with pytest.raises(ValueError, match="audio_prefetch"):
         aiortc_tuning.apply(-1)
     with pytest.raises(ValueError, match="udp_reads_per_wake"):
         aiortc_tuning.apply(udp_reads_per_wake=0)
+
+
+class _Decoder:
+    """Decodes b"x" to "x@rate"; b"bad" fails."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+
+    def decode(self, encoded: Any) -> list[str]:
+        if encoded.data == b"bad":
+            raise ValueError("corrupt")
+        return [f"{encoded.data.decode()}@{self.rate}"]
+
+
+@pytest.mark.parametrize("on_loop", [True, False])
+async def test_audio_decodes_in_order_and_a_bad_frame_is_dropped_not_fatal(
+    monkeypatch: pytest.MonkeyPatch, stock_aiortc: None, on_loop: bool
+) -> None:
+    """An audio receiver's frames reach its track decoded, in order, on the loop as they are
+    put or from its thread; a frame that fails is logged and dropped and the next one decodes.
+    Video keeps aiortc's queue for its thread."""
+    monkeypatch.setattr(aiortc_tuning, "OpuslibDecoder", _Decoder)
+    aiortc_tuning.apply(opus="opuslib", decode_on_loop=on_loop)
+    assert aiortc_tuning.decode_on_loop() is on_loop
+    transport = types.SimpleNamespace(state="new")
+    receiver = RTCRtpReceiver("audio", transport)  # type: ignore[arg-type]
+    video = RTCRtpReceiver("video", transport)  # type: ignore[arg-type]
+    assert isinstance(video._RTCRtpReceiver__decoder_queue, queue.Queue)  # type: ignore[attr-defined]
+    aiortc_tuning.decode_at(receiver, 16_000)
+    track = receiver._track = RemoteStreamTrack(kind="audio")
+    decoder_queue = receiver._RTCRtpReceiver__decoder_queue  # type: ignore[attr-defined]
+    thread = threading.Thread(  # as RTCRtpReceiver.receive() starts it
+        target=aiortc.rtcrtpreceiver.decoder_worker,
+        args=(asyncio.get_running_loop(), decoder_queue, track._queue, None),
+    )
+    thread.start()
+    if on_loop:
+        thread.join(5)
+        assert not thread.is_alive()  # nothing for it to do
+    opus = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2)
+    for data in (b"one", b"bad", b"two"):
+        decoder_queue.put((opus, types.SimpleNamespace(data=data)))
+    decoder_queue.put(None)
+    got = [await asyncio.wait_for(track._queue.get(), 5) for _ in range(3)]
+    await asyncio.to_thread(thread.join, 5)
+    assert got == ["one@16000", "two@16000", None]
+    assert receiver._RTCRtpReceiver__decoder_error.is_set()  # type: ignore[attr-defined]
+    with pytest.raises(aiortc_tuning.AiortcTuningError, match="decode_at"):
+        aiortc_tuning.decode_at(video, 16_000)
 
 
 class _CountingStun(aioice.ice.StunProtocol):
@@ -190,6 +245,8 @@ def test_verify_passes_on_installed_aiortc() -> None:
         (aiortc.rtcrtpreceiver, "JitterBuffer"),
         (RTCRtpSender, "_next_encoded_frame"),
         (RTCRtpSender, "kind"),
+        (RTCRtpReceiver, "_handle_rtp_packet"),
+        (aiortc.rtcrtpreceiver, "RemoteStreamTrack"),
         (aioice.ice, "StunProtocol"),
     ],
 )
@@ -240,10 +297,13 @@ class Echo(MediaStreamTrack):
         super().__init__()
         self._source = source
         self.shapes: set[tuple[int, str]] = set()  # (rate, layout) of what arrived
+        self.decoder_threads = 0  # the most audio decoder threads seen alive while echoing
 
     async def recv(self) -> AudioFrame:
         frame = await self._source.recv()
         self.shapes.add((frame.sample_rate, frame.layout.name))  # type: ignore[union-attr]
+        alive = sum(t.name == "audio-decoder" for t in threading.enumerate())
+        self.decoder_threads = max(self.decoder_threads, alive)
         return frame  # type: ignore[return-value]
 
 
@@ -317,12 +377,15 @@ async def test_loopback_round_trip_drops_with_tuning(
     monkeypatch.setattr(OpusEncoder, "encode", watched_encode)
     loop_thread = threading.get_ident()
 
-    stock = statistics.median(await echo_round_trips_ms())
+    echoes: list[Echo] = []
+    stock = statistics.median(await echo_round_trips_ms(echoes=echoes))
     assert encoder_threads and loop_thread not in encoder_threads
+    assert echoes[0].decoder_threads == 2  # one per peer, decoding off the loop
     encoder_threads.clear()
     aiortc_tuning.apply(audio_prefetch=1, opus="aiortc")
-    tuned = statistics.median(await echo_round_trips_ms())
+    tuned = statistics.median(await echo_round_trips_ms(echoes=echoes))
     assert encoder_threads == {loop_thread}
+    assert echoes[1].decoder_threads == 0  # decoded on the loop
     print(f"\nloopback echo round trip (median of 6): stock {stock:.0f} ms, tuned {tuned:.0f} ms")
     assert tuned < stock
 
