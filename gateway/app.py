@@ -20,6 +20,7 @@ from gateway import aiortc_tuning, speech
 from gateway import events as ev
 from gateway.auth import Authenticator, AuthError, Grant
 from gateway.config import OmniConfig
+from gateway.loopwatch import LoopWatch, freeze_startup_objects
 from gateway.metrics import GatewayMetrics
 from gateway.opus import opus_rate_for
 from gateway.playout import PLAYOUT_RATE
@@ -123,9 +124,18 @@ class Gateway:
         if self.socket_dir is not None and len(self.names.gateways) > 1:
             self.siblings = Siblings(self.names, self.instance, self.link.control, self.socket_dir)
         rings = asyncio.create_task(self._update_ring_metrics()) if MULTIPROCESS else None
+        if self.config.gateway.gc_freeze:
+            frozen = freeze_startup_objects()
+            logger.info("%d objects of the start-up exempt from garbage collection", frozen)
+        stall_ms = self.config.gateway.stall_report_ms
+        watch = LoopWatch(
+            self.metrics.loop_lag, self.metrics.gc_pause, stall_ms / 1000 if stall_ms else None
+        )
+        watch.start()
         try:
             yield
         finally:
+            await watch.stop()
             if rings is not None:
                 rings.cancel()
             for call in list(self.calls.values()):

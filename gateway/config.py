@@ -76,6 +76,18 @@ class GatewayConfig(Strict):
         "asyncio reads 1, and a busy loop then falls behind 50 packets a second (media and "
         "ICE consent wait; calls drop after 30 s)",
     )
+    gc_freeze: bool = Field(
+        True,
+        description="exempt what exists when the gateway starts serving (imports, config, "
+        "app: ~80k objects) from garbage collection, so a full collection, which holds "
+        "every call's audio, scans only what the calls allocate",
+    )
+    stall_report_ms: int | None = Field(
+        None,
+        ge=5,
+        description="when set, log the event loop's stack each time it is held this long "
+        "(every call's audio waits while it is): what to fix, caught in the act",
+    )
     audio_decode: Literal["loop", "thread"] = Field(
         "loop",
         description="where caller audio is decoded: on the event loop as each packet completes "

@@ -30,6 +30,7 @@ LATENCY_BUCKETS = (
 
 
 FRAME_INTERVAL_BUCKETS = (0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1.0, 2.0)
+STALL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class GatewayMetrics:
@@ -66,6 +67,20 @@ class GatewayMetrics:
             "audio sent (out); an interval over 0.08 s is a gap of over 60 ms",
             ["direction"],
             buckets=FRAME_INTERVAL_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "omni_event_loop_lag_seconds",
+            "How late the gateway's event loop woke a 20 ms timer (every call's audio waits "
+            "as long)",
+            buckets=STALL_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause = Histogram(
+            "omni_gc_pause_seconds",
+            "Garbage collections in the gateway process, by generation (2: full)",
+            ["generation"],
+            buckets=STALL_BUCKETS,
             registry=r,
         )
         self.barge_ins = Counter("omni_barge_ins", "Agent replies cut by the caller", registry=r)

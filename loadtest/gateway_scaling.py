@@ -52,6 +52,8 @@ CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
 GAP_MS = 60.0
 BARGE_IN_MS = 150.0  # DESIGN.md: the caller's speech onset to the agent's audio stopping
 GAP_INTERVAL_S = 0.08  # a 20 ms frame stream's interval over this is a gap over 60 ms
+STALL_S = 0.05  # the gateway loop waking later than this is reported as a stall
+GC_PAUSE_S = 0.02  # a garbage collection longer than this is reported
 
 
 def config_for(
@@ -129,11 +131,12 @@ def carries(figures: dict[str, Any]) -> bool:
     )
 
 
-async def frame_intervals(base: str) -> dict[str, dict[str, float]]:
-    """The gateway's frame-interval counts so far, both ways: all, and those over 80 ms (a gap
-    of over 60 ms), from /metrics (summed over the gateway processes)."""
+async def gateway_counts(base: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """The gateway's frame-interval counts and its stall counts so far, from /metrics (summed
+    over the gateway processes)."""
     async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as resp:
-        return parse_frame_intervals(await resp.text())
+        text = await resp.text()
+    return parse_frame_intervals(text), parse_stalls(text)
 
 
 def parse_frame_intervals(text: str) -> dict[str, dict[str, float]]:
@@ -148,6 +151,44 @@ def parse_frame_intervals(text: str) -> dict[str, dict[str, float]]:
             elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == GAP_INTERVAL_S:
                 counts["within_80ms"] = sample.value
     return out
+
+
+def parse_stalls(text: str) -> dict[str, float]:
+    """Event-loop wake-ups more than 50 ms late, and garbage collections: how many, how many
+    full (generation 2), how many over 20 ms, and their seconds in all."""
+    out = dict.fromkeys(
+        ("loop_wakes", "loop_within_50ms", "gcs", "full_gcs", "gcs_within_20ms", "gc_s"), 0.0
+    )
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            le = sample.labels.get("le")
+            if family.name == "omni_event_loop_lag_seconds":
+                if sample.name.endswith("_count"):
+                    out["loop_wakes"] += sample.value
+                elif le is not None and float(le) == STALL_S:
+                    out["loop_within_50ms"] += sample.value
+            elif family.name == "omni_gc_pause_seconds":
+                if sample.name.endswith("_count"):
+                    out["gcs"] += sample.value
+                    if sample.labels.get("generation") == "2":
+                        out["full_gcs"] += sample.value
+                elif sample.name.endswith("_sum"):
+                    out["gc_s"] += sample.value
+                elif le is not None and float(le) == GC_PAUSE_S:
+                    out["gcs_within_20ms"] += sample.value
+    return out
+
+
+def stalls_at_gateway(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What held the gateway's loop between `before` and `after`."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return {
+        "loop_late_over_50ms": int(d["loop_wakes"] - d["loop_within_50ms"]),
+        "gcs": int(d["gcs"]),
+        "full_gcs": int(d["full_gcs"]),
+        "gcs_over_20ms": int(d["gcs"] - d["gcs_within_20ms"]),
+        "gc_ms": round(1000 * d["gc_s"], 1),
+    }
 
 
 def gaps_at_gateway(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -172,17 +213,19 @@ async def measure(
     loads: dict[str, Any] = {}
     for n in args.loads:
         log(f"{n} caller(s), {args.turns} turns each")
-        cpu0, t0, frames0 = procs.cpu_s(), time.monotonic(), await frame_intervals(base)
+        (frames0, stalls0), cpu0, t0 = await gateway_counts(base), procs.cpu_s(), time.monotonic()
         reports = await run_callers(base, n, clips, args.turns, opus, args.per_process)
         cpu1, wall = procs.cpu_s(), time.monotonic() - t0
         figures = load_figures(reports, {k: cpu1[k] - cpu0[k] for k in cpu0}, wall, silence_ms)
-        figures["gaps_at_gateway"] = gaps_at_gateway(frames0, await frame_intervals(base))
+        frames1, stalls1 = await gateway_counts(base)
+        figures["gaps_at_gateway"] = gaps_at_gateway(frames0, frames1)
+        figures["stalls_at_gateway"] = stalls_at_gateway(stalls0, stalls1)
         loads[str(n)] = figures
         log(
             f"{n} callers: turn {figures['turn_ms']}, answered "
             f"{figures['turns_answered']}/{figures['turns_asked']}, worst gap "
             f"{figures['gaps_at_callers']['worst_interval_ms']}, at the gateway "
-            f"{figures['gaps_at_gateway']}, gateway CPU "
+            f"{figures['gaps_at_gateway']}, {figures['stalls_at_gateway']}, gateway CPU "
             f"{figures['gateway_cpu_cores']} cores"
         )
     return {"loads": loads, **capacity(loads)}
@@ -210,12 +253,21 @@ def at_gateway(figures: dict[str, Any]) -> str:
     return " / ".join(str(gaps.get(d, {}).get("over_80ms", "-")) for d in ("in", "out"))
 
 
+def stalls(figures: dict[str, Any]) -> str:
+    """'loop wake-ups > 50 ms late / full GCs / GCs > 20 ms' at the gateway."""
+    st = figures.get("stalls_at_gateway")
+    if not st:
+        return "-"
+    return f"{st['loop_late_over_50ms']} / {st['full_gcs']} / {st['gcs_over_20ms']}"
+
+
 def table(results: dict[str, Any]) -> str:
     rows = [
         "| processes | callers | turns | turn p50/p95 ms | beyond the VAD window p95 | "
         "barge-in p95 ms | worst frame interval heard ms (p95/max) | gaps at the gateway in/out | "
+        "loop late > 50 ms / full GCs / GCs > 20 ms | "
         "gateway CPU (cores) | CPU % of a core per session |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def f(x: Any) -> str:
@@ -229,7 +281,7 @@ def table(results: dict[str, Any]) -> str:
                 f"{f(fig['turn_ms']['p50'])}/{f(fig['turn_ms']['p95'])} | "
                 f"{f(fig['turn_beyond_vad_window_ms']['p95'])} | "
                 f"{f(fig['barge_in_ms']['p95'])} | {f(gap['p95'])}/{f(gap['max'])} | "
-                f"{at_gateway(fig)} | "
+                f"{at_gateway(fig)} | {stalls(fig)} | "
                 f"{fig['gateway_cpu_cores']:.2f} | "
                 f"{fig['gateway_cpu_pct_of_a_core_per_session']:.1f} |"
             )

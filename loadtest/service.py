@@ -61,7 +61,7 @@ class Service:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.put(line)
-            if self.echo and line.startswith("omni-gateway:"):
+            if self.echo and (line.startswith("omni-gateway:") or "event loop held" in line):
                 print(line, end="", file=sys.stderr, flush=True)
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:

@@ -17,6 +17,8 @@ from loadtest.gateway_scaling import (
     gaps_at_gateway,
     load_figures,
     parse_frame_intervals,
+    parse_stalls,
+    stalls_at_gateway,
 )
 
 
@@ -60,6 +62,23 @@ def test_gateway_gaps_are_read_from_its_metrics() -> None:
     assert counts == {
         "in": {"intervals": 4, "within_80ms": 2},
         "out": {"intervals": 1, "within_80ms": 1},
+    }
+
+
+def test_gateway_stalls_are_read_from_its_metrics() -> None:
+    metrics = GatewayMetrics()
+    before = parse_stalls(generate_latest(metrics.registry).decode())
+    for lag in (0.001, 0.002, 0.06, 0.3):
+        metrics.loop_lag.observe(lag)
+    for generation, pause in (("0", 0.001), ("2", 0.03), ("2", 0.015)):
+        metrics.gc_pause.labels(generation).observe(pause)
+    after = parse_stalls(generate_latest(metrics.registry).decode())
+    assert stalls_at_gateway(before, after) == {
+        "loop_late_over_50ms": 2,
+        "gcs": 3,
+        "full_gcs": 2,
+        "gcs_over_20ms": 1,
+        "gc_ms": 46.0,
     }
 
 
