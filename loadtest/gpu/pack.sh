@@ -15,11 +15,20 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+py312=${PY312:-python3.12}
+if ! "$py312" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    echo "pack.sh: $py312 is not a working CPython 3.12 (the GPU machine's Python, which the" \
+         "shm extension is built for): set PY312 to one" >&2
+    exit 1
+fi
 mkdir -p "$out" "$work/w"
 target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
 for v in 31 28 27 26 24 17 12 5; do target+=(--platform "manylinux_2_${v}_x86_64"); done
 target+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 python3 -m pip download -q --no-deps "${target[@]}" -d "$work/w" -r "$here/requirements-h200.txt"
+# opuslib (the gateway's Opus at the pipeline's rates) is pure Python but published as an
+# sdist only: built into a wheel here. It loads the libopus of PyAV's wheel there.
+python3 -m pip wheel -q --no-deps -w "$work/w" opuslib==3.0.1
 python3 -m pip install -q --no-index --no-deps --no-compile "${target[@]}" --target "$work/vpsite" "$work"/w/*.whl
 tar -C "$work" -cf - vpsite | gzip -1 > "$work/vp.tar.gz"
 rm -f "$out"/p?? "$out"/SUMS
@@ -28,7 +37,7 @@ split -b "${chunk}M" -d -a 2 "$work/vp.tar.gz" "$out/p"
 cp "$here/device-start.sh" "$here/device-env.sh" "$out/"
 # the C ring for the machine's Python 3.12, with the flags of setup.py (lands in shm/, ignored
 # by git: carry it); gcc directly, so that Python 3.12 needs no setuptools
-include=$("${PY312:-python3.12}" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+include=$("$py312" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 gcc -shared -fPIC -O2 -std=gnu11 -Wall -Wextra -Wno-unused-parameter \
     -Wno-missing-field-initializers -I"$include" "$repo"/shm/src/ring.c "$repo"/shm/src/_ring.c \
     -lrt -o "$repo/shm/_ring.cpython-312-x86_64-linux-gnu.so"

@@ -173,9 +173,10 @@ async def test_barge_in_stops_the_agent_fast(config, server, make_speech, monkey
         within = counts[0.03] / max(1, total)
         print(f"  server cancel ack {stage}: {100 * within:.0f}% of {total:.0f} within 30 ms")
         assert total >= 20
-    # the target is 150 ms (docs/benchmarks.md has the runs); this bound catches a barge-in
-    # that waits for the end of a phrase or of the caller's words, as peers do (0.5-0.6 s)
-    assert p95 < 400, f"barge-in p95 {p95:.0f} ms"
+    # the target is 150 ms, met here and on the GPU host (docs/benchmarks.md has the runs);
+    # this bound leaves a 2-core CI machine its stalls and still catches a barge-in that waits
+    # for the end of a phrase or of the caller's words, as peers do (0.5-0.6 s)
+    assert p95 < 250, f"barge-in p95 {p95:.0f} ms"
 
 
 async def report_while_serving(gateway, target, args: tuple, keep, every_s: float = 0.1) -> dict:
