@@ -396,7 +396,7 @@ async def run_callers(
     per_process: int = CALLERS_PER_PROCESS,
 ) -> list[dict[str, Any]]:
     """`n` conversations from processes of `per_process` callers each, coding Opus with `opus`
-    (the gateway's codec setting: the GPU machine has no opuslib)."""
+    (the gateway's codec setting)."""
     ctx = mp.get_context("spawn")
     procs = []
     for i in range(math.ceil(n / per_process)):
