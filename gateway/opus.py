@@ -17,7 +17,6 @@ import fractions
 import logging
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import av
 import numpy as np
@@ -92,12 +91,31 @@ def _import_opuslib_with(library: Path) -> ModuleType:
     return lib
 
 
-def voice_encoder(rate: int) -> Any:
-    """A mono libopus encoder for the agent's voice at `rate`."""
-    encoder = opuslib().Encoder(rate, 1, ENCODER_APPLICATION)
-    encoder.bitrate = VOICE_BITRATE
-    encoder.complexity = ENCODER_COMPLEXITY
-    return encoder
+class VoiceEncoder:
+    """A mono libopus encoder for the agent's voice at `rate`, 20 ms a packet.
+
+    Audio mode codes with CELT, whose decoder rings on after its input is cut to silence: its
+    pitch post-filter decays by about 0.7 a frame, so a strongly periodic voice cut by a
+    barge-in goes on sounding for 100-300 ms at the caller (measured with the random-weight
+    SpeechT5 voice: 17 frames above the silence level where SILK stops at once). A cut from
+    sound to digital silence therefore resets the encoder first; its first silent packet then
+    ends the sound where it was cut.
+    """
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._encoder = opuslib().Encoder(rate, 1, ENCODER_APPLICATION)
+        self._encoder.bitrate = VOICE_BITRATE
+        self._encoder.complexity = ENCODER_COMPLEXITY
+        self._sounding = False
+
+    def encode(self, pcm16: np.ndarray) -> bytes:
+        """One Opus packet for one frame of int16 samples at `rate`."""
+        sounding = bool(pcm16.any())
+        if self._sounding and not sounding:
+            self._encoder.reset_state()
+        self._sounding = sounding
+        return self._encoder.encode(np.ascontiguousarray(pcm16, np.int16).tobytes(), len(pcm16))
 
 
 def opus_rate_for(rate: int) -> int:
@@ -137,14 +155,14 @@ class OpuslibEncoder:
     else (stereo, 44.1 kHz, other frame sizes) is first resampled to 48 kHz mono, 20 ms."""
 
     def __init__(self) -> None:
-        self._encoders: dict[int, Any] = {}
+        self._encoders: dict[int, VoiceEncoder] = {}
         self._resampler: av.AudioResampler | None = None
         self._timestamp = 0  # RTP clock of the next packet
 
-    def _encoder(self, rate: int) -> Any:
+    def _encoder(self, rate: int) -> VoiceEncoder:
         encoder = self._encoders.get(rate)
         if encoder is None:
-            encoder = self._encoders[rate] = voice_encoder(rate)
+            encoder = self._encoders[rate] = VoiceEncoder(rate)
         return encoder
 
     def encode(self, frame: AudioFrame, force_keyframe: bool = False) -> tuple[list[bytes], int]:
@@ -165,8 +183,7 @@ class OpuslibEncoder:
         payloads = []
         timestamp = self._timestamp
         for f in frames:
-            pcm = f.to_ndarray().tobytes()
-            payloads.append(self._encoder(f.sample_rate).encode(pcm, f.samples))
+            payloads.append(self._encoder(f.sample_rate).encode(f.to_ndarray().reshape(-1)))
             self._timestamp += RTP_RATE * FRAME_MS // 1000
         return payloads, timestamp
 
@@ -183,7 +200,7 @@ class PacketCodec:
         self.out_rate = out_rate
         self._lib = opuslib()
         self._decoder = self._lib.Decoder(in_rate, 1)
-        self._encoder = voice_encoder(out_rate)
+        self._encoder = VoiceEncoder(out_rate)
         self._frame = out_rate * FRAME_MS // 1000
         self._held = np.zeros(0, np.int16)
 
@@ -202,10 +219,8 @@ class PacketCodec:
         pcm = np.concatenate([self._held, np.asarray(pcm, np.int16)])
         whole = len(pcm) - len(pcm) % self._frame
         self._held = pcm[whole:].copy()
-        return [
-            self._encoder.encode(pcm[i : i + self._frame].tobytes(), self._frame)
-            for i in range(0, whole, self._frame)
-        ]
+        frame = self._frame
+        return [self._encoder.encode(pcm[i : i + frame]) for i in range(0, whole, frame)]
 
     def flush(self) -> list[bytes]:
         """The held samples, padded with silence to a last packet."""

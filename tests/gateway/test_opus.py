@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 from av import AudioFrame
 
-from gateway.opus import OpuslibDecoder, OpuslibEncoder, PacketCodec, opus_rate_for
+from gateway.opus import (
+    ENCODER_APPLICATION,
+    ENCODER_COMPLEXITY,
+    VOICE_BITRATE,
+    OpuslibDecoder,
+    OpuslibEncoder,
+    PacketCodec,
+    opus_rate_for,
+    opuslib,
+)
 
 
 def tone(rate: int, seconds: float, hz: float = 440.0) -> np.ndarray:
@@ -65,6 +74,32 @@ def test_encoder_codes_opus_rates_as_they_are_and_resamples_the_rest() -> None:
     for _ in range(10):
         payloads += other.encode(frame(tone(44_100, 0.01), 44_100, "stereo"))[0]
     assert len(payloads) in (4, 5)  # 100 ms of audio, 20 ms packets, minus filter delay
+
+
+@pytest.mark.parametrize("rate", [16_000, 24_000])
+def test_a_voice_cut_to_silence_stops_at_the_cut(rate: int) -> None:
+    """A low buzz (a periodic voice, as the random-weight SpeechT5 makes) cut to digital
+    silence, as a barge-in cuts the agent: what the caller decodes is silent from the frame
+    after the cut. libopus' CELT alone rings on for a dozen frames (the stock encoder, below)."""
+    t = np.arange(rate) / rate
+    buzz = (np.sign(np.sin(2 * np.pi * 50 * t)) * 4700).astype(np.int16)
+    pcm = np.concatenate([buzz, np.zeros(rate // 2, np.int16)])
+    n = rate // 50
+    ours = OpuslibEncoder()
+    stock = opuslib().Encoder(rate, 1, ENCODER_APPLICATION)
+    stock.bitrate, stock.complexity = VOICE_BITRATE, ENCODER_COMPLEXITY
+    heard_ours, heard_stock = OpuslibDecoder(48_000), OpuslibDecoder(48_000)
+    levels: dict[str, list[float]] = {"ours": [], "stock": []}
+    for i, start in enumerate(range(0, len(pcm), n)):
+        chunk = pcm[start : start + n]
+        packet = ours.encode(frame(chunk, rate))[0][0]
+        levels["ours"].append(level(heard_ours.decode(RtpFrame(packet, i * 960))[0].to_ndarray()))
+        packet = stock.encode(chunk.tobytes(), n)
+        levels["stock"].append(level(heard_stock.decode(RtpFrame(packet, i * 960))[0].to_ndarray()))
+    cut = 50  # the first silent frame
+    assert min(levels["ours"][:cut]) > 1000  # the buzz went through
+    assert max(levels["ours"][cut + 1 :]) < 30  # silent from the frame after the cut
+    assert sum(lv >= 30 for lv in levels["stock"][cut + 1 :]) >= 3  # what the reset prevents
 
 
 def test_decoder_drops_a_corrupt_packet_and_goes_on() -> None:
