@@ -50,7 +50,7 @@ import aiortc.rtcrtpreceiver as _rtcrtpreceiver
 import aiortc.rtcrtpsender as _rtcrtpsender
 import aiortc.rtp as _rtp
 import numpy as np
-from aiortc.jitterbuffer import JitterBuffer
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.rtcrtpparameters import RTCRtpCodecParameters
 from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
@@ -97,6 +97,8 @@ _STOCK_GET_ENCODER: Callable[..., Any] = _rtcrtpsender.get_encoder
 _STOCK_DECODER_WORKER: Callable[..., None] = _rtcrtpreceiver.decoder_worker
 _STOCK_RECEIVER_INIT: Callable[..., None] = RTCRtpReceiver.__init__
 _RECEIVER_QUEUE = "_RTCRtpReceiver__decoder_queue"  # the decoder thread's queue, name-mangled
+_RECEIVER_JITTER = "_RTCRtpReceiver__jitter_buffer"
+_RECEIVER_TIMESTAMPS = "_RTCRtpReceiver__timestamp_mapper"
 _RECEIVER_ERROR = "_RTCRtpReceiver__decoder_error"  # set when a frame fails to decode
 _DatagramTransport: Any = _selector_events._SelectorDatagramTransport
 _STOCK_DATAGRAM_READ: Callable[[Any], None] = _DatagramTransport._read_ready
@@ -146,14 +148,18 @@ class _PrefetchJitterBuffer(_STOCK_JITTER_BUFFER):
     a bounded wait for a lost audio packet.
 
     Installed only as the name `JitterBuffer` inside aiortc.rtcrtpreceiver, the one place that
-    builds receive buffers; video buffers pass through unchanged. Prefetch 0 and 1 behave the
-    same: a frame is released when the first packet of the next frame arrives.
+    builds receive buffers; video buffers pass through unchanged. Stock, a frame is released
+    when the first packet of the next frame arrives (a video frame spans packets), so even
+    prefetch 0 holds 20 ms. An audio packet is a whole frame (RFC 7587: one Opus packet per
+    RTP packet): with prefetch 0, each is released as it arrives, in order (`pop_ready` hands
+    out the ones a late packet held back).
 
     Stock, a missing packet blocks every frame behind it until the buffer is full (16 packets
     for audio), and as it releases one frame per packet added, the frames queued meanwhile stay
     queued: one lost packet adds ~280 ms to the rest of the call. Here an audio buffer waits
-    `LATE_PACKETS` packets for a missing one, then gives up on it and drops the oldest frames
-    until it is back at its prefetch; a packet that comes after that is ignored as too late.
+    `LATE_PACKETS` packets for a missing one, then gives up on it (with prefetch 1 or more,
+    dropping the oldest frames until it is back at its prefetch); a packet that comes after
+    that is ignored as too late.
     """
 
     LATE_PACKETS = 2  # 40 ms of 20 ms packets: reordering on a path, not a loss
@@ -162,8 +168,40 @@ class _PrefetchJitterBuffer(_STOCK_JITTER_BUFFER):
         if not is_video:
             prefetch = _state["audio_prefetch"]
         super().__init__(capacity, prefetch=prefetch, is_video=is_video)
+        self.on_arrival = not is_video and prefetch == 0
+
+    def pop_ready(self) -> JitterFrame | None:
+        """With prefetch 0, the next audio frame in order if it is here, else None."""
+        if not self.on_arrival or self._origin is None:
+            return None
+        packet = self._packets[self._origin % self._capacity]
+        if packet is None:
+            return None
+        self.remove(1)
+        return JitterFrame(data=packet._data, timestamp=packet.timestamp)
+
+    def _add_on_arrival(self, packet: Any) -> JitterFrame | None:
+        if self._origin is None:
+            self._origin = packet.sequence_number
+        ahead = _uint16_add(packet.sequence_number, -self._origin)
+        if ahead >= 0x8000:
+            return None  # older than a frame already released: too late, or a duplicate
+        if ahead >= self._capacity:  # far ahead of the rest: start again from this packet
+            self.remove(self._capacity)
+            self._origin, ahead = packet.sequence_number, 0
+        self._packets[packet.sequence_number % self._capacity] = packet
+        if ahead > self.LATE_PACKETS:  # give up on the holes before the oldest packet here
+            skip = next(
+                k
+                for k in range(ahead + 1)
+                if self._packets[(self._origin + k) % self._capacity] is not None
+            )
+            self.remove(skip)
+        return self.pop_ready()
 
     def add(self, packet: Any) -> tuple[bool, Any]:
+        if self.on_arrival:
+            return False, self._add_on_arrival(packet)
         pli_flag, frame = super().add(packet)
         if self._is_video or self._origin is None:
             return pli_flag, frame
@@ -230,13 +268,26 @@ class _AudioDecoder:
         self._tasks: queue.Queue[Any] = queue.Queue()
 
     def put(self, task: tuple[RTCRtpCodecParameters, Any] | None) -> None:
-        if not self.on_loop:
-            self._tasks.put(task)
-            return
-        track = self._receiver._track
-        if track is not None:
-            for frame in self._decode(task):
-                track._queue.put_nowait(frame)
+        for one in [task, *self._held_back(task)]:
+            if not self.on_loop:
+                self._tasks.put(one)
+                continue
+            track = self._receiver._track
+            if track is not None:
+                for frame in self._decode(one):
+                    track._queue.put_nowait(frame)
+
+    def _held_back(self, task: tuple[RTCRtpCodecParameters, Any] | None) -> list[Any]:
+        """Frames a late packet held back in a release-on-arrival jitter buffer, now in order
+        behind it (the receiver hands over one frame a packet), stamped as the receiver does."""
+        buffer = getattr(self._receiver, _RECEIVER_JITTER, None)
+        if task is None or not isinstance(buffer, _PrefetchJitterBuffer) or not buffer.on_arrival:
+            return []
+        more = []
+        while (frame := buffer.pop_ready()) is not None:
+            frame.timestamp = getattr(self._receiver, _RECEIVER_TIMESTAMPS).map(frame.timestamp)
+            more.append((task[0], frame))
+        return more
 
     def run_thread(self, loop: asyncio.AbstractEventLoop, output_q: asyncio.Queue[Any]) -> None:
         """The receiver's decoder thread, when decoding off the loop."""
@@ -400,7 +451,11 @@ def verify() -> None:
         raise _fail(f"RTCRtpReceiver.__init__ takes {params[1:]}, not (kind, transport)")
     remote_track = getattr(_rtcrtpreceiver, "RemoteStreamTrack", None)
     for label, method, names in (
-        ("RTCRtpReceiver.__init__", _STOCK_RECEIVER_INIT, {_RECEIVER_QUEUE, _RECEIVER_ERROR}),
+        (
+            "RTCRtpReceiver.__init__",
+            _STOCK_RECEIVER_INIT,
+            {_RECEIVER_QUEUE, _RECEIVER_ERROR, _RECEIVER_JITTER, _RECEIVER_TIMESTAMPS},
+        ),
         (
             "RTCRtpReceiver._handle_rtp_packet",
             getattr(RTCRtpReceiver, "_handle_rtp_packet", None),

@@ -62,11 +62,12 @@ class GatewayConfig(Strict):
         "interfaces but loopback, as aioice does",
     )
     audio_prefetch: int = Field(
-        1,
+        0,
         ge=0,
         le=16,
-        description="jitter-buffer frames before "
-        "playout of caller audio (aiortc's default is 4, ~80 ms)",
+        description="20 ms frames of caller audio the jitter buffer holds before it hands "
+        "one on: 0 hands each on as it arrives, in order; aiortc holds 4 (~80 ms), and even "
+        "at 0 one (it waits for the next packet to know a frame is whole)",
     )
     udp_reads_per_wake: int = Field(
         32,

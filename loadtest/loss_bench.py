@@ -10,9 +10,9 @@ frame comes out of its track; one-way latency is that less the burst's send time
 one clock). Variants, all with aiortc's own Opus so only the receive buffer differs:
 - `aiortc`: stock, a 4-frame prefetch, and a lost packet waited for until 16 more came, after
   which the frames queued behind it stay queued;
-- `prefetch 1`: the gateway's one-frame prefetch with aiortc's wait for a lost packet;
-- `gateway`: `gateway.aiortc_tuning` as the gateway runs it: prefetch 1, a lost packet given up
-  after two more, and the buffer back at its prefetch.
+- `prefetch 1`: a one-frame prefetch with aiortc's wait for a lost packet;
+- `gateway`: `gateway.aiortc_tuning` as the gateway runs it (`gateway.audio_prefetch`'s
+  default: 0, each frame handed on as it arrives), a lost packet given up after two more.
 Prints JSON and a table, and states the machine.
 """
 
@@ -37,6 +37,7 @@ from aiortc.mediastreams import MediaStreamError
 from av import AudioFrame
 
 from gateway import aiortc_tuning
+from gateway.config import GatewayConfig
 from gateway.ice import restrict_host_addresses
 from loadtest.gpu_run import log, summary
 from loadtest.report import machine
@@ -161,7 +162,8 @@ def variant(name: str) -> Iterator[None]:
         if name == "aiortc":
             aiortc_tuning.restore()
         else:
-            aiortc_tuning.apply(audio_prefetch=1, opus="aiortc")
+            gateway = GatewayConfig.model_fields["audio_prefetch"].default
+            aiortc_tuning.apply(1 if name == "prefetch 1" else gateway, opus="aiortc")
             if name == "prefetch 1":
                 buffer.LATE_PACKETS = 1 << 16  # never give up before the buffer is full
         yield

@@ -115,6 +115,40 @@ def test_a_lost_audio_packet_delays_the_call_for_a_moment_not_for_good(
     assert [frame for _, frame in late if frame is not None] == list(range(38))
 
 
+def test_with_prefetch_0_audio_is_released_as_it_arrives_in_order(stock_aiortc: None) -> None:
+    """Each packet is a whole audio frame: released on arrival, not when the next one comes
+    (stock aiortc holds 20 ms even at prefetch 0). A packet out of order holds the ones
+    behind it back until it comes, or for LATE_PACKETS packets if it never does."""
+    from aiortc.rtp import RtpPacket
+
+    stock = _released(aiortc.rtcrtpreceiver.JitterBuffer(capacity=16, prefetch=0), [0, 1, 2])
+    assert stock == [(0, None), (1, 0), (2, 1)]  # a packet's frame waits for the next packet
+
+    aiortc_tuning.apply(audio_prefetch=0)
+    buffer = aiortc.rtcrtpreceiver.JitterBuffer(capacity=16, prefetch=4)
+
+    def released(sequence: list[int]) -> list[list[int]]:
+        out = []
+        for seq in sequence:
+            packet = RtpPacket(payload_type=111, sequence_number=seq % 65536, timestamp=seq * 960)
+            packet._data = bytes([seq % 256])  # type: ignore[attr-defined]
+            _, frame = buffer.add(packet)
+            frames = [] if frame is None else [frame]
+            while (more := buffer.pop_ready()) is not None:
+                frames.append(more)
+            out.append([f.timestamp // 960 for f in frames])
+        return out
+
+    assert released([0, 1, 2]) == [[0], [1], [2]]
+    assert released([4, 3, 5]) == [[], [3, 4], [5]]  # 3 came late: 4 waits for it
+    # 6 lost: 7 and 8 wait, 9 is the third behind the hole, which is given up; 6 then too late
+    assert released([7, 8, 9, 6, 10]) == [[], [], [7, 8, 9], [], [10]]
+    buffer = aiortc.rtcrtpreceiver.JitterBuffer(capacity=16)  # sequence numbers wrapping
+    assert released([65534, 65536, 65535, 65537]) == [[65534], [], [65535, 65536], [65537]]
+    video = aiortc.rtcrtpreceiver.JitterBuffer(capacity=128, is_video=True)
+    assert not video.on_arrival and video.pop_ready() is None
+
+
 def test_apply_is_idempotent_and_restore_undoes_it(stock_aiortc: None) -> None:
     stock_sender = RTCRtpSender._next_encoded_frame
     aiortc_tuning.apply()
