@@ -4,7 +4,8 @@ aiortc's sender pulls `recv()` in a loop and sends whatever it gets, so the trac
 pace: one 20 ms frame (mono s16, 48 kHz unless told otherwise) every 20 ms on an absolute
 schedule, audio from the queue when there is some and silence when there is none. The queue
 is what barge-in empties: `clear()` drops everything not yet returned, so the next frame is
-already silent.
+already silent. While it is idle (silence going out), audio queued between two beats goes out
+at once and the beat moves with it, instead of waiting up to 20 ms for the next one.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class PlayoutTrack(MediaStreamTrack):
         self._start: float | None = None
         self._pts = 0
         self._silence = np.zeros(self.frame_samples, np.int16)
+        self._idle_wait: asyncio.Future[None] | None = None  # set while idle between beats
 
     @property
     def is_playing(self) -> bool:
@@ -97,6 +99,9 @@ class PlayoutTrack(MediaStreamTrack):
             return
         self._chunks.append((pcm, mark))
         self._queued += len(pcm)
+        woken = self._idle_wait
+        if len(pcm) and not self.held and woken is not None and not woken.done():
+            woken.set_result(None)  # the first audio after idle: no beat to wait for
 
     def clear(self) -> int:
         """Drop all queued audio at once (barge-in); return how many samples were dropped."""
@@ -138,12 +143,28 @@ class PlayoutTrack(MediaStreamTrack):
         self._pts += self.frame_samples
         due = self._start + self._pts / self.rate
         wait = due - loop.time()
-        if wait > 0:
-            await asyncio.sleep(wait)
+        if wait > 0 and (self._playing or self._queued or self.held):
+            await asyncio.sleep(wait)  # mid-stream: keep the beat
+        elif wait > 0:
+            await self._idle_until(loop, wait)
+            early = due - loop.time()
+            if early > 0:  # audio came: it goes now, and the frames after it from now on
+                self._start -= early
         elif wait < -self.max_lag_s:
             # The loop stalled (or nobody pulled for a while): move the schedule rather than burst
             # out the backlog as fast as the sender can take it. pts stays continuous.
             self._start -= wait
+
+    async def _idle_until(self, loop: asyncio.AbstractEventLoop, wait: float) -> None:
+        """Sleep `wait` seconds, or until `enqueue` brings audio (an asyncio.sleep that can be
+        woken)."""
+        woken = self._idle_wait = loop.create_future()
+        timer = loop.call_later(wait, lambda: woken.done() or woken.set_result(None))
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            self._idle_wait = None
 
     def _take_frame(self) -> tuple[np.ndarray, int, list[object]]:
         """(one frame of samples, how many of them are audio, marks completed by this frame)."""

@@ -68,6 +68,35 @@ async def test_audio_comes_out_in_order_and_the_tail_is_padded() -> None:
     assert track.played_samples == len(audio) and track.queued_samples == 0
 
 
+async def test_audio_queued_while_idle_goes_out_at_once_and_the_beat_moves() -> None:
+    """Silence is going out; audio queued between two beats is the next frame, at once, not
+    at the next beat; the frames after it keep 20 ms from there."""
+    track = PlayoutTrack(max_lag_s=60)
+    loop = asyncio.get_running_loop()
+    for _ in range(3):
+        await track.recv()  # idle: silence on the beat
+    waiting = asyncio.ensure_future(track.recv())
+    deadline = loop.time() + 1
+    while track._idle_wait is None:  # until it waits for its beat
+        assert loop.time() < deadline
+        await asyncio.sleep(0)
+    beat = track._start + (track._pts / track.rate)
+    track.enqueue(tone(FRAME_SAMPLES * 3))
+    frame = await waiting
+    sent = loop.time()
+    assert np.abs(frame.to_ndarray()).max() > 1000  # the audio, not silence
+    assert sent < beat - 0.005  # well before the beat it would have waited for
+    stamps = [sent]
+    for _ in range(3):
+        await track.recv()
+        stamps.append(loop.time())
+    assert np.diff(stamps) == pytest.approx([0.02] * 3, abs=0.006)  # paced from the new beat
+    # mid-stream and held, nothing wakes it early
+    track.held = True
+    track.enqueue(tone(FRAME_SAMPLES))
+    assert track._idle_wait is None
+
+
 async def test_clear_silences_the_next_frame() -> None:
     track = PlayoutTrack()
     track.enqueue(tone(PLAYOUT_RATE))
