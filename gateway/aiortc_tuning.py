@@ -6,8 +6,9 @@ Six changes, all applied by `apply()` and undone by `restore()`:
   loop of about 175 µs per stereo frame on the event loop; a numpy version computes the same integer
   in a few µs.
 - The audio jitter buffer that `RTCRtpReceiver` builds holds `prefetch=4` frames (about 80 ms per
-  receiving hop) before it releases one; the gateway wants a low, configurable prefetch. And
-  stock, one lost packet leaves the frames queued behind it queued for the rest of the call
+  receiving hop) before it releases one, and even at 0 one frame (20 ms); the gateway wants a
+  low, configurable prefetch, and at 0 each audio frame handed on as it arrives. And stock,
+  one lost packet leaves the frames queued behind it queued for the rest of the call
   (~280 ms); the buffer here waits 40 ms for a missing packet, then drops it and catches up.
 - `RTCRtpSender._next_encoded_frame` hands every encode to the default executor; for Opus (tens
   of µs per 20 ms frame) the thread hop costs more than the encode and makes many calls queue
