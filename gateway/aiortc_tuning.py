@@ -263,6 +263,10 @@ class _AudioDecoder:
     def __init__(self, receiver: RTCRtpReceiver, on_loop: bool) -> None:
         self._receiver = receiver
         self.on_loop = on_loop
+        # a release-on-arrival jitter buffer may hold frames back behind a late packet
+        buffer = getattr(receiver, _RECEIVER_JITTER)
+        self._buffer = buffer if getattr(buffer, "on_arrival", False) else None
+        self._timestamps = getattr(receiver, _RECEIVER_TIMESTAMPS)
         self.rate: int | None = None  # decode_at(): Opus straight to this rate, mono
         self._decoder: Any = None
         self._codec_name: str | None = None
@@ -281,12 +285,11 @@ class _AudioDecoder:
     def _held_back(self, task: tuple[RTCRtpCodecParameters, Any] | None) -> list[Any]:
         """Frames a late packet held back in a release-on-arrival jitter buffer, now in order
         behind it (the receiver hands over one frame a packet), stamped as the receiver does."""
-        buffer = getattr(self._receiver, _RECEIVER_JITTER, None)
-        if task is None or not isinstance(buffer, _PrefetchJitterBuffer) or not buffer.on_arrival:
+        if task is None or self._buffer is None:
             return []
         more = []
-        while (frame := buffer.pop_ready()) is not None:
-            frame.timestamp = getattr(self._receiver, _RECEIVER_TIMESTAMPS).map(frame.timestamp)
+        while (frame := self._buffer.pop_ready()) is not None:
+            frame.timestamp = self._timestamps.map(frame.timestamp)
             more.append((task[0], frame))
         return more
 
