@@ -694,19 +694,23 @@ class Variant:
             overrides["mps_thread_percent"] = dict(self.thread_shares.shares)
         if self.gateway_processes is not None:
             overrides["gateway.processes"] = self.gateway_processes
-        overrides |= dict(self.settings)
+        for keys, value in self.settings:  # "a.b+c.d": both keys take the value
+            overrides |= dict.fromkeys(keys.split("+"), value)
         notes = [f"{k}: {v} (from the command line)" for k, v in overrides.items()]
         return overrides, notes
 
 
 def parse_setting(text: str) -> list[tuple[str, Any]]:
-    """`--set KEY=V1,V2`: one dimension of variants, KEY set to each value (YAML scalars)."""
+    """`--set KEY=V1,V2`: one dimension of variants, KEY set to each value (YAML scalars).
+    KEY may name several keys joined by "+", which take each value together."""
     import yaml
 
     key, sep, values = text.partition("=")
-    if not sep or not key or not values or not all(key.split(".")):
+    keys = key.split("+")
+    if not sep or not values or not all(all(k.split(".")) for k in keys):
         raise argparse.ArgumentTypeError(
-            f"--set {text!r}: KEY=VALUE[,VALUE...], e.g. reasoning.sampling.max_tokens=400,60"
+            f"--set {text!r}: KEY[+KEY...]=VALUE[,VALUE...], e.g. "
+            "reasoning.sampling.max_tokens=400,60"
         )
     return [(key, yaml.safe_load(v)) for v in values.split(",")]
 

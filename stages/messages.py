@@ -32,6 +32,7 @@ class Kind(enum.IntEnum):
     RESPONSE_STARTED = 30
     TEXT_DELTA = 31
     RESPONSE_DONE = 32
+    RESPONSE_RELEASE = 33  # reasoning -> vocoder: a reply made early goes out now, or never
     # vocoder -> gateway
     AUDIO_OUT = 40  # raw PCM16 mono at the vocoder's rate, <= 100 ms
     PHRASE = 41  # which text the audio that follows speaks
@@ -141,6 +142,9 @@ class ResponseStarted(Msg):
     turn_id: int  # the user turn it answers; -1 for an explicit response.create
     audio: bool = True  # False: a text-only reply, which the vocoder ignores
     paced: bool = True  # False: the vocoder need not keep pace with playback
+    # vocoder only: a reply started at the caller's pause; its audio is made but kept back
+    # until a RESPONSE_RELEASE says whether the turn ended as it was
+    held: bool = False
 
 
 class TextDelta(Msg):
@@ -157,6 +161,14 @@ class ResponseDone(Msg):
     text: str  # whole reply as generated (the spoken part comes back through PHRASE)
     output_tokens: int = 0
     first_token_ns: int = 0
+
+
+class ResponseRelease(Msg):
+    """The turn a held reply was started for has ended: send what was made (`keep`), or drop
+    it, the caller having gone on."""
+
+    response_id: str
+    keep: bool
 
 
 class Phrase(Msg):
@@ -208,6 +220,7 @@ SCHEMAS: dict[Kind, type[Msg]] = {
     Kind.RESPONSE_STARTED: ResponseStarted,
     Kind.TEXT_DELTA: TextDelta,
     Kind.RESPONSE_DONE: ResponseDone,
+    Kind.RESPONSE_RELEASE: ResponseRelease,
     Kind.PHRASE: Phrase,
     Kind.AUDIO_DONE: AudioDone,
     Kind.SESSION_OPEN: SessionOpen,

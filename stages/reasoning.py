@@ -3,8 +3,10 @@ sessions (continuous batching). Each session keeps its conversation; a cancelled
 remembered only as far as the caller heard it.
 
 A reply can start early, on the transcript of the turn so far when the caller pauses
-(gateway.prepare_reply_ms): its records are held back until the final transcript comes, then
-sent at once if the turn ended as it was, or the request is aborted if the caller went on."""
+(gateway.prepare_reply_ms): its records for the gateway are held back until the final
+transcript comes, then sent at once if the turn ended as it was, or the request is aborted if
+the caller went on. The vocoder gets them as they come and makes the reply's first audio
+meanwhile, held back too, until a RESPONSE_RELEASE says which way the turn went."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from stages.messages import (
     Msg,
     ResponseCreate,
     ResponseDone,
+    ResponseRelease,
     ResponseStarted,
     SessionSettings,
     TextDelta,
@@ -98,8 +101,10 @@ class Response:
     finished: bool = False
     recorded: bool = False  # its text is in the conversation (once, whoever stops it)
     recorded_as: dict[str, str] | None = None  # the message that holds it
-    # an early reply's records, kept back until its turn ends (None: sent as they come)
-    held: list[tuple[str, Msg]] | None = None
+    # an early reply's records for the gateway, kept back until its turn ends (None: sent as
+    # they come); the vocoder's go at once, its audio is kept back there
+    held: list[Msg] | None = None
+    dropped: bool = False  # an early reply dropped: its task's last records go nowhere
 
     def record(self, conversation: Conversation, text: str) -> None:
         if not self.recorded:
@@ -294,16 +299,16 @@ class ReasoningStage(Stage):
         caller's data channel and a feed of the vocoder's phrase splitter, all due at the
         moment the turn ends (docs/benchmarks.md, "Preparing the reply")."""
         held, response.held = response.held or [], None
-        by_dst: dict[str, list[Msg]] = {}
-        for dst, msg in held:
-            out = by_dst.setdefault(dst, [])
+        out: list[Msg] = []
+        for msg in held:
             if isinstance(msg, TextDelta) and out and isinstance(out[-1], TextDelta):
                 out[-1] = msgspec.structs.replace(out[-1], text=out[-1].text + msg.text)
             else:
                 out.append(msg)
-        for dst, msgs in by_dst.items():
-            for msg in msgs:
-                self.send(dst, session, msg, epoch=response.epoch)
+        for msg in out:
+            self.send(GATEWAY, session, msg, epoch=response.epoch)
+        release = ResponseRelease(response.response_id, keep=True)
+        self.send("vocoder", session, release, epoch=response.epoch)
 
     def _drop_early(self, session: int, state: SessionState, early: EarlyReply) -> None:
         state.conversation.take_back(early.asked)
@@ -312,7 +317,12 @@ class ReasoningStage(Stage):
         early.response.recorded = True  # and is never recorded now
         if state.response is early.response:
             state.response = None
-        self._spawn(self._stop(early.response), f"drop-early-{session}")
+        response = early.response
+        if response.held is not None:  # never released: the vocoder drops what it made
+            release = ResponseRelease(response.response_id, keep=False)
+            self.send("vocoder", session, release, epoch=response.epoch)
+        response.dropped = True
+        self._spawn(self._stop(response), f"drop-early-{session}")
 
     def _state(self, session: int) -> SessionState:
         state = self.sessions.get(session)
@@ -356,7 +366,8 @@ class ReasoningStage(Stage):
             await self._stop(previous)
             previous.record(state.conversation, previous.text)
         started = ResponseStarted(response.response_id, turn_id, options.audio, options.paced)
-        self._emit(session, response, "vocoder", started)
+        held = response.held is not None
+        self._emit(session, response, "vocoder", msgspec.structs.replace(started, held=held))
         self._emit(session, response, GATEWAY, started)
         prompt = state.conversation.prompt(options.instructions)
         sampling = (
@@ -390,8 +401,10 @@ class ReasoningStage(Stage):
             state.response = None
 
     def _emit(self, session: int, response: Response, dst: str, msg: Msg) -> None:
-        if response.held is not None:
-            response.held.append((dst, msg))
+        if response.dropped:
+            return
+        if response.held is not None and dst == GATEWAY:
+            response.held.append(msg)
         else:
             self.send(dst, session, msg, epoch=response.epoch)
 

@@ -8,6 +8,11 @@ caller's long phrase never holds up another caller's first audio. A voice that b
 voice itself: its `stop()` asks the session's epoch every decoder step, so the engine stops
 before the CANCEL record is even read. `vocoder.replicas` runs several of these processes
 (stages.rings).
+
+A reply started at the caller's pause (gateway.prepare_reply_ms) is spoken while the caller's
+silence is still being waited out, and what it makes is kept back: when the turn ends as it
+was, reasoning's RESPONSE_RELEASE sends it all at once and the caller hears the reply without
+waiting for its first phrase to be synthesized; when the caller goes on, it is dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 
 from stages.backends.speech import Voice, split_pcm16
 from stages.config import VocoderConfig
-from stages.messages import AudioDone, Kind, Phrase
+from stages.messages import AudioDone, Kind, Msg, Phrase
 from stages.passlog import PassLog
 from stages.phrases import PhraseSplitter
 from stages.rings import GATEWAY
@@ -66,9 +71,14 @@ class Reply:
     started: float | None = None  # monotonic time of its first audio
     done_status: str | None = None  # set once the reply's text is complete
     paced: bool = True  # False: nobody plays it in real time (/v1/audio/speech)
+    # a reply made at the caller's pause: its records for the gateway (a message, or a piece
+    # of audio), kept back until RESPONSE_RELEASE (None: sent as they are made)
+    held: list[Msg | bytes] | None = None
 
     def lead_s(self, now: float, rate: int) -> float:
         """How far synthesis runs ahead of real-time playback of this reply."""
+        if self.held is not None:
+            return self.samples / rate  # none of it is playing yet
         if self.started is None or not self.paced:
             return 0.0
         return self.samples / rate - (now - self.started)
@@ -135,6 +145,7 @@ class VocoderStage(QueuedStage):
                 item.epoch,
                 PhraseSplitter(cfg.first_phrase_words, cfg.max_phrase_words),
                 paced=item.msg.paced,
+                held=[] if item.msg.held else None,
             )
         elif item.kind is Kind.TEXT_DELTA:
             reply = self._reply_for(item)
@@ -146,6 +157,14 @@ class VocoderStage(QueuedStage):
                 if rest := reply.splitter.flush():
                     reply.pending.append((rest, item.t_ns))
                 reply.done_status = item.msg.status
+        elif item.kind is Kind.RESPONSE_RELEASE:
+            reply = self._reply_for(item)
+            if reply is None or reply.held is None:
+                return
+            if item.msg.keep:
+                self._release(s, reply)
+            else:
+                self._drop(s)
         elif item.kind is Kind.CANCEL:
             self._drop(s)  # acknowledged already, by `deliver`
         elif item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
@@ -155,6 +174,33 @@ class VocoderStage(QueuedStage):
         for session in list(getattr(self, "replies", ())):
             self._drop(session)
         super().close()
+
+    def _release(self, session: int, reply: Reply) -> None:
+        """Send what a held reply made, in order; from now on it is paced as it plays."""
+        held, reply.held = reply.held or [], None
+        if reply.samples:
+            reply.started = time.monotonic()
+        for record in held:
+            if not self._to_gateway(session, reply, record):
+                return  # cancelled meanwhile: the CANCEL in the inbox drops the reply
+
+    def _to_gateway(self, session: int, reply: Reply, record: Msg | bytes) -> bool:
+        """Send (or keep back, while the reply is held) a message or a piece of PCM16 audio;
+        False once the session's epoch has moved past the reply."""
+        if reply.held is not None:
+            reply.held.append(record)
+            return True
+        if self.control.epoch(session) != reply.epoch:
+            return False
+        if isinstance(record, bytes):
+            self.push_audio(session, record, reply.epoch)
+        else:
+            self.send(GATEWAY, session, record, epoch=reply.epoch)
+        return True
+
+    def push_audio(self, session: int, pcm16: bytes, epoch: int) -> None:
+        audio = self.outputs[self.spec.names.instance_for(GATEWAY, session)]
+        audio.push(session, Kind.AUDIO_OUT, pcm16, epoch=epoch)
 
     def _drop(self, session: int) -> None:
         reply = self.replies.pop(session, None)
@@ -171,17 +217,15 @@ class VocoderStage(QueuedStage):
         now, rate = time.monotonic(), self.voice.sample_rate
         max_lead = self.config.vocoder.max_lead_ms / 1000
         for session, reply in list(self.replies.items()):
-            if not reply.has_audio_to_make and reply.done_status is not None:
+            if reply.held is None and not reply.has_audio_to_make and reply.done_status is not None:
                 del self.replies[session]
-                self.send(
-                    GATEWAY,
-                    session,
-                    AudioDone(reply.response_id, reply.done_status),
-                    epoch=reply.epoch,
-                )
-        ready = [
-            (r.lead_s(now, rate), s, r) for s, r in self.replies.items() if r.has_audio_to_make
-        ]
+                self._to_gateway(session, reply, AudioDone(reply.response_id, reply.done_status))
+        ready: list[tuple[float, int, Reply]] = []
+        for session, reply in self.replies.items():
+            lead = reply.lead_s(now, rate)
+            # a held reply waits for its release once it has made as much as may be ahead
+            if reply.has_audio_to_make and not (reply.held is not None and lead >= max_lead):
+                ready.append((lead, session, reply))
         if not ready:
             return None
         # ties (replies not started, or unpaced) go to the one with the least audio made
@@ -216,7 +260,7 @@ class VocoderStage(QueuedStage):
         """Announce the reply's next phrase to the gateway; its text, and its `stop` test."""
         text, ready_ns = reply.pending.popleft()
         phrase = Phrase(reply.response_id, text, self.voice.sample_rate, ready_ns)
-        self.send(GATEWAY, session, phrase, epoch=reply.epoch)
+        self._to_gateway(session, reply, phrase)
         epoch = reply.epoch
         # a cancel stops the engine within a step, before the CANCEL record is read
         return text, lambda: self.control.epoch(session) != epoch
@@ -260,12 +304,9 @@ class VocoderStage(QueuedStage):
 
     def _push(self, session: int, reply: Reply, chunk: np.ndarray) -> None:
         """Push ``chunk`` of the reply's audio to the gateway in pieces of at most 100 ms."""
-        rate = self.voice.sample_rate
-        audio = self.outputs[self.spec.names.instance_for(GATEWAY, session)]
-        for piece in split_pcm16(chunk, rate):
-            if self.control.epoch(session) != reply.epoch:
+        for piece in split_pcm16(chunk, self.voice.sample_rate):
+            if not self._to_gateway(session, reply, piece.tobytes()):
                 return  # cancelled meanwhile: the CANCEL in the inbox drops the reply
-            audio.push(session, Kind.AUDIO_OUT, piece.tobytes(), epoch=reply.epoch)
-            if reply.started is None:
+            if reply.started is None and reply.held is None:
                 reply.started = time.monotonic()
             reply.samples += len(piece)

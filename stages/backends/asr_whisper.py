@@ -13,10 +13,13 @@ threads) run as one batch: whichever thread gets the model decodes everything wa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +29,7 @@ from stages.backends.speech import (
     SpeechOptionError,
     StreamClosedError,
     as_pcm16,
+    gpu_stream,
     load_error,
     pcm16_to_float,
     reject_unknown_options,
@@ -55,6 +59,7 @@ def load_whisper(
     max_batch: int = 16,
     dtype: str | None = None,
     num_threads: int | None = None,
+    stream_priority: str = "normal",
     warmup: bool = True,
     **unknown: Any,
 ) -> WhisperRecognizer:
@@ -65,8 +70,9 @@ def load_whisper(
     ``max_new_tokens``: cap per decode (default: the checkpoint's ``max_length``).
     ``max_batch``: most windows decoded in one batch (decodes asked for together are batched).
     ``dtype``: float32 on the CPU, float16 on CUDA unless given. ``num_threads``: torch intra-op
-    threads of this process (process-wide). ``warmup``: run one decode now so the first turn is not
-    slow.
+    threads of this process (process-wide). ``stream_priority``: "high" runs the decodes on a
+    CUDA stream the GPU schedules ahead of other work (stages.backends.speech.gpu_stream).
+    ``warmup``: run one decode now so the first turn is not slow.
     """
 
     reject_unknown_options(
@@ -82,6 +88,7 @@ def load_whisper(
             "max_batch",
             "dtype",
             "num_threads",
+            "stream_priority",
             "warmup",
         ),
     )
@@ -101,6 +108,7 @@ def load_whisper(
     if task not in ("transcribe", "translate"):
         raise SpeechOptionError(f"whisper option task={task!r} must be 'transcribe' or 'translate'")
     torch_device = load_device(device, "whisper")
+    on_stream = gpu_stream(torch_device, stream_priority, "whisper")
     torch_dtype = _torch_dtype(dtype, torch_device)
     set_torch_threads(num_threads, "whisper")
 
@@ -124,6 +132,7 @@ def load_whisper(
         max_new_tokens=max_new_tokens,
         max_batch=max_batch,
         random_weights=random_weights,
+        on_stream=on_stream,
     )
     if warmup:
         recognizer.transcribe(np.zeros(ASR_SAMPLE_RATE, dtype=np.int16))
@@ -164,8 +173,10 @@ class WhisperRecognizer:
         max_new_tokens: int | None = None,
         max_batch: int = 16,
         random_weights: bool = False,
+        on_stream: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self._model = model
+        self._on_stream = on_stream  # where its GPU work runs (gpu_stream)
         self._processor = processor
         self.partial_interval_ms = partial_interval_ms
         self.random_weights = random_weights
@@ -200,12 +211,13 @@ class WhisperRecognizer:
         started = time.perf_counter()
         # the log-mel spectrogram on the model's device: on the CPU it took longer than the
         # decode itself under load (a 30 s window's STFT, on every waiting thread at once)
-        features = self._processor.feature_extractor(
-            pcm16_to_float(pcm16),
-            sampling_rate=ASR_SAMPLE_RATE,
-            return_tensors="pt",
-            device=self._feature_device,
-        ).input_features
+        with self._on_stream():
+            features = self._processor.feature_extractor(
+                pcm16_to_float(pcm16),
+                sampling_rate=ASR_SAMPLE_RATE,
+                return_tensors="pt",
+                device=self._feature_device,
+            ).input_features
         request = _Decode(features, started)
         with self._waiting_lock:
             self._waiting.append(request)
@@ -226,12 +238,12 @@ class WhisperRecognizer:
 
         started = time.perf_counter()
         try:
-            features = torch.cat([r.features for r in batch])
-            features = features.to(self._model.device, self._model.dtype)
-            with torch.inference_mode():
+            with self._on_stream(), torch.inference_mode():
+                features = torch.cat([r.features for r in batch])
+                features = features.to(self._model.device, self._model.dtype)
                 token_ids = self._model.generate(
                     features, generation_config=self._generation_config, **self._generate_kwargs
-                )
+                ).cpu()  # copied on the stream that made them
             texts = self._processor.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
             for request, text in zip(batch, texts, strict=True):
                 request.text = text.strip()

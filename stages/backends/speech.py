@@ -8,9 +8,12 @@ config as keyword arguments and fails early, naming the bad option or the missin
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -201,3 +204,36 @@ def set_torch_threads(num_threads: int | None, backend: str) -> None:
     import torch
 
     torch.set_num_threads(num_threads)
+
+
+STREAM_PRIORITIES = ("normal", "high")
+
+
+def gpu_stream(
+    device: torch.device, priority: str, backend: str
+) -> Callable[[], AbstractContextManager[Any]]:
+    """A context to run the backend's GPU work in: the default stream (``priority`` "normal"),
+    or a stream of the highest priority the GPU has ("high"), whose blocks its scheduler
+    starts ahead of waiting blocks of other streams. Used where a short, latency-bound model
+    (Whisper's turn, the first audio of a reply) shares the GPU with a long-running one
+    (vLLM's decode). On the CPU either value runs as it is."""
+    if priority not in STREAM_PRIORITIES:
+        raise SpeechOptionError(
+            f"{backend} option stream_priority={priority!r} must be one of {STREAM_PRIORITIES}"
+        )
+    if priority == "normal" or device.type != "cuda":
+        return contextlib.nullcontext
+    import torch
+
+    streams: list[torch.cuda.Stream] = []
+    lock = threading.Lock()
+
+    def on_stream() -> AbstractContextManager[Any]:
+        with lock:
+            if not streams:  # made at first use, once the weights are on the GPU
+                torch.cuda.synchronize(device)  # they were copied in on the default stream
+                streams.append(torch.cuda.Stream(device, priority=-100))  # clamped to the top
+                logger.info("%s: GPU work on a stream of priority %d", backend, streams[0].priority)
+        return torch.cuda.stream(streams[0])
+
+    return on_stream

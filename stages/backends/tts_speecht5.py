@@ -13,10 +13,12 @@ used (logged), which sounds like nobody in particular but is the same in every p
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,7 @@ from stages.backends.speech import (
     SpeechModelNotFoundError,
     SpeechOptionError,
     float_to_pcm16,
+    gpu_stream,
     load_error,
     reject_unknown_options,
     resolve_model_path,
@@ -61,6 +64,7 @@ def load_speecht5(
     stream_steps: int = 4,
     dtype: str | None = None,
     num_threads: int | None = None,
+    stream_priority: str = "normal",
     warmup: bool = True,
     **unknown: Any,
 ) -> SpeechT5Voice:
@@ -71,7 +75,9 @@ def load_speecht5(
     input token). ``chunk_ms``: the longest chunk yielded. ``stream_steps``: decoder steps (of
     ``reduction_factor`` mel frames each) per streamed block; 0 speaks whole phrases through
     ``generate_speech``. ``num_threads``: torch intra-op threads
-    of this process (process-wide). ``warmup``: speak one word now so the first phrase is not slow.
+    of this process (process-wide). ``stream_priority``: "high" runs synthesis on a CUDA stream the
+    GPU schedules ahead of other processes' work (stages.backends.speech.gpu_stream).
+    ``warmup``: speak one word now so the first phrase is not slow.
     """
 
     reject_unknown_options(
@@ -89,6 +95,7 @@ def load_speecht5(
             "stream_steps",
             "dtype",
             "num_threads",
+            "stream_priority",
             "warmup",
         ),
     )
@@ -106,6 +113,7 @@ def load_speecht5(
             f"speecht5 option stream_steps={stream_steps!r} must be an int >= 0"
         )
     torch_device = load_device(device, "speecht5")
+    on_stream = gpu_stream(torch_device, stream_priority, "speecht5")
     torch_dtype = _torch_dtype(dtype)
     set_torch_threads(num_threads, "speecht5")
 
@@ -139,6 +147,7 @@ def load_speecht5(
         chunk_ms=chunk_ms,
         stream_steps=stream_steps,
         random_weights=random_weights,
+        on_stream=on_stream,
     )
     if warmup:
         for _ in voice.synthesize("Hello."):
@@ -221,15 +230,17 @@ class SpeechT5Voice:
         chunk_ms: int = MAX_CHUNK_MS,
         stream_steps: int = 4,
         random_weights: bool = False,
+        on_stream: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         import torch
 
+        self._on_stream = on_stream  # where its GPU work runs (gpu_stream)
         self._model = model
         self._vocoder = vocoder
         self._processor = processor
-        self._speaker = (
-            torch.from_numpy(speaker_embedding).reshape(1, -1).to(model.device, model.dtype)
-        )
+        with on_stream():  # copied in where it is used
+            speaker = torch.from_numpy(speaker_embedding).reshape(1, -1)
+            self._speaker = speaker.to(model.device, model.dtype)
         self._generate_kwargs = {
             "threshold": threshold,
             "minlenratio": minlenratio,
@@ -285,7 +296,7 @@ class SpeechT5Voice:
         import torch
 
         blocks = [_EMPTY] * len(streams)
-        with self._lock, torch.inference_mode():
+        with self._lock, self._on_stream(), torch.inference_mode():
             active = [i for i, s in enumerate(streams) if self._next_piece(s)]
             decode(
                 self._model,
@@ -383,12 +394,12 @@ class SpeechT5Voice:
         import torch
 
         input_ids = self._processor(text=text, return_tensors="pt").input_ids
-        input_ids = input_ids[:, : self.max_tokens].to(self._model.device)
-        with self._lock, torch.inference_mode():
+        with self._lock, self._on_stream(), torch.inference_mode():
+            input_ids = input_ids[:, : self.max_tokens].to(self._model.device)
             waveform = self._model.generate_speech(
                 input_ids, self._speaker, vocoder=self._vocoder, **self._generate_kwargs
             )
-        return float_to_pcm16(waveform.float().cpu().numpy())
+            return float_to_pcm16(waveform.float().cpu().numpy())
 
 
 class PhraseStream:

@@ -281,7 +281,13 @@ def test_any_config_key_can_be_a_variant_and_a_bad_one_fails_before_anything_run
     assert config.reasoning.sampling["max_tokens"] == 60
     assert short.key("one") == "one reasoning.sampling.max_tokens=60"
     assert "reasoning.sampling.max_tokens: 60 (from the command line)" in notes
-    for bad in ("max_tokens", "=60", "reasoning..max_tokens=1"):
+    both = "encoder.options.stream_priority+vocoder.options.stream_priority"
+    _, high = parse_setting(f"{both}=normal,high")[1]
+    config, _ = layout_config("one", MODELS, 1, "cuda", Variant(settings=((both, high),)))
+    assert config.encoder.options["stream_priority"] == "high"
+    assert config.vocoder.options["stream_priority"] == "high"
+    assert config.vocoder.options["dtype"] == "bfloat16"  # the file's other options stay
+    for bad in ("max_tokens", "=60", "reasoning..max_tokens=1", "a.b+=1"):
         with pytest.raises(SystemExit):
             main(["--device", "cpu", "--set", bad])
         assert "--set" in capsys.readouterr().err

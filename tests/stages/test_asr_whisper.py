@@ -137,6 +137,7 @@ def test_folder_without_a_model_is_named(tmp_path):
         ({"dtype": "int8"}, "dtype='int8'"),
         ({"device": "tpu:x"}, "device='tpu:x'"),
         ({"language": "klingon", "warmup": False}, "language='klingon'"),
+        ({"stream_priority": "urgent"}, "stream_priority='urgent'"),
     ],
 )
 def test_bad_options_are_named(tiny_whisper, options, named):

@@ -273,6 +273,8 @@ def test_reply_started_at_a_pause_is_the_turns_reply_when_it_ends(
     assert prepared.reply_text and prepared.audio
     (final,) = [e.msg for e in prepared.events if e.kind is Kind.TRANSCRIPT and e.msg.final]
     assert not final.speculative  # the gateway never sees the early one as such
+    spoken = " ".join(e.msg.text for e in prepared.events if e.kind is Kind.PHRASE).split()
+    assert spoken and spoken == prepared.reply_text.split()[: len(spoken)]
 
 
 def test_reply_started_at_a_pause_is_dropped_when_the_caller_goes_on(
@@ -298,3 +300,7 @@ def test_reply_started_at_a_pause_is_dropped_when_the_caller_goes_on(
     assert len(resumed.transcript.split()) > len(first_half.split()), resumed.transcript
     assert _replies(resumed) == [f"resp_{session}_1"]  # only the turn's final reply
     assert resumed.reply_text and resumed.audio
+    # the early reply's audio, made while it was held, was dropped: what is heard is the
+    # final reply's
+    spoken = " ".join(e.msg.text for e in resumed.events if e.kind is Kind.PHRASE).split()
+    assert spoken and spoken == resumed.reply_text.split()[: len(spoken)]

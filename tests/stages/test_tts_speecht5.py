@@ -159,6 +159,7 @@ def test_missing_paths_are_named(tiny_speecht5, tmp_path):
         ({"minlenratio": 5.0, "maxlenratio": 2.0}, "minlenratio=5.0 > maxlenratio=2.0"),
         ({"chunk_ms": 250}, "chunk_ms=250"),
         ({"device": "cuda:not-a-number"}, "device='cuda:not-a-number'"),
+        ({"stream_priority": "urgent"}, "stream_priority='urgent'"),
     ],
 )
 def test_bad_options_are_named(tiny_speecht5, options, named):

@@ -1,0 +1,115 @@
+"""The vocoder stage's model loop with a reply made at the caller's pause (held), with the
+stage's rings left out: the real espeak voice speaks; what would go to the gateway is noted."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from stages.config import PipelineConfig
+from stages.messages import (
+    AudioDone,
+    Kind,
+    Phrase,
+    ResponseDone,
+    ResponseRelease,
+    ResponseStarted,
+    TextDelta,
+)
+from stages.vocoder import VocoderStage
+from stages.worker import Inbound
+
+SESSION, EPOCH, REPLY = 3, 1, "resp_3_1"
+
+
+class Epochs:
+    def __init__(self) -> None:
+        self.current = EPOCH
+
+    def epoch(self, session: int) -> int:
+        return self.current
+
+
+class Noted(VocoderStage):
+    """Notes its records for the gateway instead of pushing them to a ring."""
+
+    def __init__(self, max_lead_ms: int = 2000) -> None:  # no rings: Stage.__init__ attaches them
+        self.config = PipelineConfig.model_validate({"vocoder": {"max_lead_ms": max_lead_ms}})
+        self.stop = threading.Event()
+        self.control = Epochs()
+        self.sent: list[object] = []
+        self.load()
+
+    def send(self, dst: str, session: int, msg, *, epoch: int | None = None) -> None:
+        assert (dst, session, epoch) == ("gateway", SESSION, EPOCH)
+        self.sent.append(msg)
+
+    def push_audio(self, session: int, pcm16: bytes, epoch: int) -> None:
+        assert (session, epoch) == (SESSION, EPOCH)
+        self.sent.append(pcm16)
+
+    def give(self, msg) -> None:
+        kinds = {
+            ResponseStarted: Kind.RESPONSE_STARTED,
+            TextDelta: Kind.TEXT_DELTA,
+            ResponseDone: Kind.RESPONSE_DONE,
+            ResponseRelease: Kind.RESPONSE_RELEASE,
+        }
+        self.handle(Inbound("reasoning", kinds[type(msg)], SESSION, EPOCH, 0, msg))
+
+    def pump_until_idle(self) -> None:
+        for _ in range(1000):  # a short reply: a few chunks
+            if self.pump() is None:
+                return
+        raise AssertionError("the vocoder never ran out of work")
+
+
+@pytest.fixture
+def vocoder() -> Noted:
+    stage = Noted()
+    stage.give(ResponseStarted(REPLY, 1, held=True))
+    stage.give(TextDelta(REPLY, "Sure, it is sunny today.", 0))
+    stage.give(ResponseDone(REPLY, "completed", "Sure, it is sunny today."))
+    stage.pump_until_idle()
+    return stage
+
+
+def test_a_held_reply_is_spoken_but_nothing_leaves_until_it_is_released(vocoder) -> None:
+    assert vocoder.sent == []
+    made = vocoder.replies[SESSION].held
+    assert isinstance(made[0], Phrase) and sum(isinstance(r, bytes) for r in made) >= 2
+
+    vocoder.give(ResponseRelease(REPLY, keep=True))
+    vocoder.pump_until_idle()
+
+    assert vocoder.sent[: len(made)] == made  # what was made, in the order it was made
+    assert vocoder.sent[-1] == AudioDone(REPLY, "completed")
+    phrases = [r.text for r in vocoder.sent if isinstance(r, Phrase)]
+    assert " ".join(phrases) == "Sure, it is sunny today."
+    assert SESSION not in vocoder.replies
+
+
+def test_a_held_reply_the_caller_talked_over_is_dropped_unheard(vocoder) -> None:
+    vocoder.give(ResponseRelease("resp_3_0", keep=True))  # another reply's: not this one
+    assert vocoder.sent == []
+    vocoder.give(ResponseRelease(REPLY, keep=False))
+    vocoder.pump_until_idle()
+    assert vocoder.sent == [] and SESSION not in vocoder.replies
+
+
+def test_a_held_reply_makes_no_more_than_may_run_ahead_of_playback() -> None:
+    stage = Noted(max_lead_ms=300)
+    stage.give(ResponseStarted(REPLY, 1, held=True))
+    stage.give(TextDelta(REPLY, "one two three four five six seven eight nine ten " * 4, 0))
+    stage.pump_until_idle()  # returns: the held reply waits, it does not spin
+    made = sum(len(r) for r in stage.replies[SESSION].held if isinstance(r, bytes)) // 2
+    rate = stage.voice.sample_rate
+    assert 0.3 * rate <= made < 0.3 * rate + 0.1 * rate  # up to the lead, one 100 ms piece over
+    assert stage.replies[SESSION].pending  # the rest waits for the release
+
+
+def test_a_cancelled_session_loses_what_a_release_would_have_sent(vocoder) -> None:
+    vocoder.control.current = EPOCH + 1  # the gateway's CANCEL bumped the epoch
+    vocoder.give(ResponseRelease(REPLY, keep=True))
+    assert vocoder.sent == []
