@@ -38,6 +38,7 @@ from stages.backends.speech import (
     warn_if_random_weights,
 )
 from stages.backends.speech import torch_device as load_device
+from stages.backends.whisper_greedy import GreedyDecoder
 from stages.passlog import PassLog
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("float32", "float16", "bfloat16")
+_DECODE_LOOPS = ("greedy", "generate")
 
 
 def load_whisper(
@@ -60,6 +62,7 @@ def load_whisper(
     dtype: str | None = None,
     num_threads: int | None = None,
     stream_priority: str = "normal",
+    decode_loop: str = "greedy",
     warmup: bool = True,
     **unknown: Any,
 ) -> WhisperRecognizer:
@@ -72,6 +75,8 @@ def load_whisper(
     ``dtype``: float32 on the CPU, float16 on CUDA unless given. ``num_threads``: torch intra-op
     threads of this process (process-wide). ``stream_priority``: "high" runs the decodes on a
     CUDA stream the GPU schedules ahead of other work (stages.backends.speech.gpu_stream).
+    ``decode_loop``: "greedy" (stages.backends.whisper_greedy: generate's tokens for less host
+    work) or "generate" (transformers' own; needed to detect the language, ``language=None``).
     ``warmup``: run one decode now so the first turn is not slow.
     """
 
@@ -89,6 +94,7 @@ def load_whisper(
             "dtype",
             "num_threads",
             "stream_priority",
+            "decode_loop",
             "warmup",
         ),
     )
@@ -107,6 +113,10 @@ def load_whisper(
         raise SpeechOptionError(f"whisper option max_batch={max_batch!r} must be an int >= 1")
     if task not in ("transcribe", "translate"):
         raise SpeechOptionError(f"whisper option task={task!r} must be 'transcribe' or 'translate'")
+    if decode_loop not in _DECODE_LOOPS:
+        raise SpeechOptionError(
+            f"whisper option decode_loop={decode_loop!r} must be one of {_DECODE_LOOPS}"
+        )
     torch_device = load_device(device, "whisper")
     on_stream = gpu_stream(torch_device, stream_priority, "whisper")
     torch_dtype = _torch_dtype(dtype, torch_device)
@@ -133,6 +143,7 @@ def load_whisper(
         max_batch=max_batch,
         random_weights=random_weights,
         on_stream=on_stream,
+        greedy=decode_loop == "greedy",
     )
     if warmup:
         recognizer.transcribe(np.zeros(ASR_SAMPLE_RATE, dtype=np.int16))
@@ -174,6 +185,7 @@ class WhisperRecognizer:
         max_batch: int = 16,
         random_weights: bool = False,
         on_stream: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        greedy: bool = True,
     ) -> None:
         self._model = model
         self._on_stream = on_stream  # where its GPU work runs (gpu_stream)
@@ -200,6 +212,17 @@ class WhisperRecognizer:
             self._generate_kwargs["task"] = task
             if language is not None:
                 self._generate_kwargs["language"] = self._language_code(language)
+            elif greedy:
+                raise SpeechOptionError(
+                    "whisper option language=None (detect it) needs decode_loop='generate'"
+                )
+        self._greedy = (
+            GreedyDecoder(
+                model, self._generation_config, self._generate_kwargs.get("language"), task
+            )
+            if greedy
+            else None
+        )
 
     def open_stream(self) -> WhisperStream:
         """Start a turn (cheap: a stream is an audio buffer)."""
@@ -241,9 +264,13 @@ class WhisperRecognizer:
             with self._on_stream(), torch.inference_mode():
                 features = torch.cat([r.features for r in batch])
                 features = features.to(self._model.device, self._model.dtype)
-                token_ids = self._model.generate(
-                    features, generation_config=self._generation_config, **self._generate_kwargs
-                ).cpu()  # copied on the stream that made them
+                if self._greedy is not None:
+                    token_ids = self._greedy.decode(features)
+                else:
+                    token_ids = self._model.generate(
+                        features, generation_config=self._generation_config, **self._generate_kwargs
+                    )
+                token_ids = token_ids.cpu()  # copied on the stream that made them
             texts = self._processor.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
             for request, text in zip(batch, texts, strict=True):
                 request.text = text.strip()

@@ -138,6 +138,8 @@ def test_folder_without_a_model_is_named(tmp_path):
         ({"device": "tpu:x"}, "device='tpu:x'"),
         ({"language": "klingon", "warmup": False}, "language='klingon'"),
         ({"stream_priority": "urgent"}, "stream_priority='urgent'"),
+        ({"decode_loop": "beam"}, "decode_loop='beam'"),
+        ({"language": None}, "language=None.*decode_loop='generate'"),
     ],
 )
 def test_bad_options_are_named(tiny_whisper, options, named):
@@ -146,22 +148,22 @@ def test_bad_options_are_named(tiny_whisper, options, named):
 
 
 def test_decodes_asked_for_together_run_as_one_batch(recognizer, make_speech, monkeypatch):
-    """Turns of several callers that end together are decoded in one generate call, each
+    """Turns of several callers that end together are decoded in one batch, each
     getting its own transcript (the same as decoding it alone)."""
     words = ["hello there", "good morning", "what time is it", "thank you very much"]
     clips = [make_speech(w).pcm16 for w in words]
     alone = [recognizer.transcribe(c) for c in clips]
 
     batches: list[int] = []
-    generate = recognizer._model.generate
+    decode = recognizer._greedy.decode
     gate = threading.Event()
 
-    def counting(features, **kwargs):
+    def counting(features):
         batches.append(len(features))
         gate.wait(10)  # hold the first decode so that the others queue behind it
-        return generate(features, **kwargs)
+        return decode(features)
 
-    monkeypatch.setattr(recognizer._model, "generate", counting)
+    monkeypatch.setattr(recognizer._greedy, "decode", counting)
     results: dict[int, str] = {}
     threads = [
         threading.Thread(target=lambda i=i: results.__setitem__(i, recognizer.transcribe(clips[i])))
@@ -200,3 +202,55 @@ def test_peek_transcribes_the_turn_so_far_and_leaves_it_open(recognizer, make_sp
     assert final == recognizer.transcribe(speech.pcm16)
     with pytest.raises(StreamClosedError):
         stream.peek()
+
+
+def test_greedy_decoding_says_what_generate_says(tiny_whisper, make_speech):
+    """The lean loop (stages.backends.whisper_greedy) against transformers' generate(), token
+    for token, on a batch of different windows."""
+    import torch
+
+    greedy = load_whisper(str(tiny_whisper), max_new_tokens=12, warmup=False)
+    generate = load_whisper(str(tiny_whisper), max_new_tokens=12, decode_loop="generate")
+    assert generate._greedy is None
+    clips = [make_speech(w).pcm16 for w in ("hello there", "what time is it", "thank you")]
+    clips.append(np.zeros(8000, np.int16))
+    extractor = greedy._processor.feature_extractor
+    features = extractor(
+        [c.astype(np.float32) / 32768 for c in clips], sampling_rate=16000, return_tensors="pt"
+    ).input_features
+    with torch.inference_mode():
+        ours = greedy._greedy.decode(features)
+        theirs = generate._model.generate(
+            features, generation_config=generate._generation_config, **generate._generate_kwargs
+        )
+    assert ours.shape == (len(clips), 12)
+    assert torch.equal(ours, theirs[:, -12:])
+    assert [greedy.transcribe(c) for c in clips] == [generate.transcribe(c) for c in clips]
+
+
+def test_greedy_decoding_stops_where_generate_stops(tiny_whisper, make_speech):
+    """A window that says end-of-text: padded after it as generate() pads it, and the loop
+    ends once every window has ended. (Random weights never say it, so end-of-text is made
+    the token they say first.)"""
+    import copy
+
+    import torch
+
+    from stages.backends.whisper_greedy import STOP_CHECK_STEPS, GreedyDecoder
+
+    recognizer = load_whisper(str(tiny_whisper), max_new_tokens=12, warmup=False)
+    model, config = recognizer._model, copy.deepcopy(recognizer._generation_config)
+    clips = [make_speech(w).pcm16 for w in ("hello there", "what time is it")]
+    features = recognizer._processor.feature_extractor(
+        [c.astype(np.float32) / 32768 for c in clips], sampling_rate=16000, return_tensors="pt"
+    ).input_features
+    with torch.inference_mode():
+        first = recognizer._greedy.decode(features)[0, 0].item()
+        config.eos_token_id = first
+        ours = GreedyDecoder(model, config, "en", "transcribe").decode(features)
+        theirs = model.generate(features, generation_config=config, language="en")
+    said = theirs.shape[1]  # generate() cuts every window's end-of-text and pads
+    assert said < 12 and ours[0, 0] == config.pad_token_id  # the first window ended at once
+    assert ours.shape[1] == STOP_CHECK_STEPS * -(-max(said, 1) // STOP_CHECK_STEPS)
+    assert torch.equal(ours[:, :said], theirs)
+    assert bool((ours[:, said:] == config.pad_token_id).all())
