@@ -39,6 +39,7 @@ from stages.backends.speech import (
 )
 from stages.backends.speech import torch_device as load_device
 from stages.backends.whisper_greedy import GreedyDecoder
+from stages.backends.whisper_static import StaticDecoder
 from stages.passlog import PassLog
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("float32", "float16", "bfloat16")
-_DECODE_LOOPS = ("greedy", "generate")
+_DECODE_LOOPS = ("greedy", "static", "generate")
 
 
 def load_whisper(
@@ -76,7 +77,9 @@ def load_whisper(
     threads of this process (process-wide). ``stream_priority``: "high" runs the decodes on a
     CUDA stream the GPU schedules ahead of other work (stages.backends.speech.gpu_stream).
     ``decode_loop``: "greedy" (stages.backends.whisper_greedy: generate's tokens for less host
-    work) or "generate" (transformers' own; needed to detect the language, ``language=None``).
+    work), "static" (stages.backends.whisper_static: the same from fixed buffers, a CUDA graph a
+    step on a GPU) or "generate" (transformers' own; needed to detect the language,
+    ``language=None``).
     ``warmup``: run one decode now so the first turn is not slow.
     """
 
@@ -143,7 +146,7 @@ def load_whisper(
         max_batch=max_batch,
         random_weights=random_weights,
         on_stream=on_stream,
-        greedy=decode_loop == "greedy",
+        decode_loop=decode_loop,
     )
     if warmup:
         recognizer.transcribe(np.zeros(ASR_SAMPLE_RATE, dtype=np.int16))
@@ -185,7 +188,7 @@ class WhisperRecognizer:
         max_batch: int = 16,
         random_weights: bool = False,
         on_stream: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-        greedy: bool = True,
+        decode_loop: str = "greedy",
     ) -> None:
         self._model = model
         self._on_stream = on_stream  # where its GPU work runs (gpu_stream)
@@ -212,16 +215,14 @@ class WhisperRecognizer:
             self._generate_kwargs["task"] = task
             if language is not None:
                 self._generate_kwargs["language"] = self._language_code(language)
-            elif greedy:
+            elif decode_loop != "generate":
                 raise SpeechOptionError(
                     "whisper option language=None (detect it) needs decode_loop='generate'"
                 )
+        loop = {"greedy": GreedyDecoder, "static": StaticDecoder}.get(decode_loop)
+        language_code = self._generate_kwargs.get("language")
         self._greedy = (
-            GreedyDecoder(
-                model, self._generation_config, self._generate_kwargs.get("language"), task
-            )
-            if greedy
-            else None
+            None if loop is None else loop(model, self._generation_config, language_code, task)
         )
 
     def open_stream(self) -> WhisperStream:

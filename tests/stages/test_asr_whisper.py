@@ -204,12 +204,13 @@ def test_peek_transcribes_the_turn_so_far_and_leaves_it_open(recognizer, make_sp
         stream.peek()
 
 
-def test_greedy_decoding_says_what_generate_says(tiny_whisper, make_speech):
-    """The lean loop (stages.backends.whisper_greedy) against transformers' generate(), token
-    for token, on a batch of different windows."""
+@pytest.mark.parametrize("loop", ["greedy", "static"])
+def test_greedy_decoding_says_what_generate_says(tiny_whisper, make_speech, loop):
+    """The lean loops (stages.backends.whisper_greedy and whisper_static) against transformers'
+    generate(), token for token, on a batch of different windows (padded to 4 for static)."""
     import torch
 
-    greedy = load_whisper(str(tiny_whisper), max_new_tokens=12, warmup=False)
+    greedy = load_whisper(str(tiny_whisper), max_new_tokens=12, decode_loop=loop, warmup=False)
     generate = load_whisper(str(tiny_whisper), max_new_tokens=12, decode_loop="generate")
     assert generate._greedy is None
     clips = [make_speech(w).pcm16 for w in ("hello there", "what time is it", "thank you")]
@@ -228,7 +229,8 @@ def test_greedy_decoding_says_what_generate_says(tiny_whisper, make_speech):
     assert [greedy.transcribe(c) for c in clips] == [generate.transcribe(c) for c in clips]
 
 
-def test_greedy_decoding_stops_where_generate_stops(tiny_whisper, make_speech):
+@pytest.mark.parametrize("loop", ["greedy", "static"])
+def test_greedy_decoding_stops_where_generate_stops(tiny_whisper, make_speech, loop):
     """A window that says end-of-text: padded after it as generate() pads it, and the loop
     ends once every window has ended. (Random weights never say it, so end-of-text is made
     the token they say first.)"""
@@ -237,6 +239,9 @@ def test_greedy_decoding_stops_where_generate_stops(tiny_whisper, make_speech):
     import torch
 
     from stages.backends.whisper_greedy import STOP_CHECK_STEPS, GreedyDecoder
+    from stages.backends.whisper_static import StaticDecoder
+
+    decoder = {"greedy": GreedyDecoder, "static": StaticDecoder}[loop]
 
     recognizer = load_whisper(str(tiny_whisper), max_new_tokens=12, warmup=False)
     model, config = recognizer._model, copy.deepcopy(recognizer._generation_config)
@@ -247,10 +252,26 @@ def test_greedy_decoding_stops_where_generate_stops(tiny_whisper, make_speech):
     with torch.inference_mode():
         first = recognizer._greedy.decode(features)[0, 0].item()
         config.eos_token_id = first
-        ours = GreedyDecoder(model, config, "en", "transcribe").decode(features)
+        ours = decoder(model, config, "en", "transcribe").decode(features)
         theirs = model.generate(features, generation_config=config, language="en")
     said = theirs.shape[1]  # generate() cuts every window's end-of-text and pads
     assert said < 12 and ours[0, 0] == config.pad_token_id  # the first window ended at once
     assert ours.shape[1] == STOP_CHECK_STEPS * -(-max(said, 1) // STOP_CHECK_STEPS)
     assert torch.equal(ours[:, :said], theirs)
     assert bool((ours[:, said:] == config.pad_token_id).all())
+
+
+def test_static_buffers_serve_batches_of_any_size_one_after_another(tiny_whisper, make_speech):
+    """A batch of 3 (padded to 4), then each window alone in the same buffers: the same tokens,
+    whatever an earlier, longer batch left behind."""
+    import torch
+
+    recognizer = load_whisper(str(tiny_whisper), decode_loop="static", warmup=False)
+    clips = [make_speech(w).pcm16 for w in ("good morning", "how are you", "see you")]
+    features = recognizer._processor.feature_extractor(
+        [c.astype(np.float32) / 32768 for c in clips], sampling_rate=16000, return_tensors="pt"
+    ).input_features
+    with torch.inference_mode():
+        together = recognizer._greedy.decode(features)
+        alone = [recognizer._greedy.decode(features[i : i + 1]) for i in range(3)]
+    assert torch.equal(together, torch.cat(alone))
