@@ -63,7 +63,7 @@ def load_whisper(
     dtype: str | None = None,
     num_threads: int | None = None,
     stream_priority: str = "normal",
-    decode_loop: str = "greedy",
+    decode_loop: str | None = None,
     warmup: bool = True,
     **unknown: Any,
 ) -> WhisperRecognizer:
@@ -78,8 +78,9 @@ def load_whisper(
     CUDA stream the GPU schedules ahead of other work (stages.backends.speech.gpu_stream).
     ``decode_loop``: "greedy" (stages.backends.whisper_greedy: generate's tokens for less host
     work), "static" (stages.backends.whisper_static: the same from fixed buffers, a CUDA graph a
-    step on a GPU) or "generate" (transformers' own; needed to detect the language,
-    ``language=None``).
+    step on a GPU; its buffers hold ``max_batch`` windows) or "generate" (transformers' own;
+    needed to detect the language, ``language=None``). Default: static on CUDA, greedy on the
+    CPU.
     ``warmup``: run one decode now so the first turn is not slow.
     """
 
@@ -116,11 +117,13 @@ def load_whisper(
         raise SpeechOptionError(f"whisper option max_batch={max_batch!r} must be an int >= 1")
     if task not in ("transcribe", "translate"):
         raise SpeechOptionError(f"whisper option task={task!r} must be 'transcribe' or 'translate'")
+    torch_device = load_device(device, "whisper")
+    if decode_loop is None:
+        decode_loop = "static" if torch_device.type == "cuda" else "greedy"
     if decode_loop not in _DECODE_LOOPS:
         raise SpeechOptionError(
             f"whisper option decode_loop={decode_loop!r} must be one of {_DECODE_LOOPS}"
         )
-    torch_device = load_device(device, "whisper")
     on_stream = gpu_stream(torch_device, stream_priority, "whisper")
     torch_dtype = _torch_dtype(dtype, torch_device)
     set_torch_threads(num_threads, "whisper")
@@ -149,6 +152,7 @@ def load_whisper(
         decode_loop=decode_loop,
     )
     if warmup:
+        recognizer.record_steps()
         recognizer.transcribe(np.zeros(ASR_SAMPLE_RATE, dtype=np.int16))
     logger.info(
         "whisper %s loaded on %s (%s) in %.2f s",
@@ -224,6 +228,15 @@ class WhisperRecognizer:
         self._greedy = (
             None if loop is None else loop(model, self._generation_config, language_code, task)
         )
+
+    def record_steps(self) -> None:
+        """With the static decoder on CUDA, record its step for every batch size now (its
+        buffers sized for `max_batch` windows), not during the first turns that need them."""
+        import torch
+
+        if isinstance(self._greedy, StaticDecoder):
+            with self._on_stream(), torch.inference_mode():
+                self._greedy.record(self.max_batch)
 
     def open_stream(self) -> WhisperStream:
         """Start a turn (cheap: a stream is an audio buffer)."""

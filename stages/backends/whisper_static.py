@@ -48,8 +48,8 @@ class StaticDecoder(GreedyDecoder):
         model = self._model
         audio = model.model.encoder(features).last_hidden_state
         batch = audio.shape[0]
-        size = 1 << (batch - 1).bit_length()  # padded to a power of two
-        self._ensure_buffers(size, audio)
+        size = _padded(batch)
+        self._ensure_buffers(size, audio.shape[1], audio.dtype)
         self._load_audio(audio, size)
         for position, token in enumerate(self.prompt):
             self._token[:size].fill_(token)
@@ -73,23 +73,37 @@ class StaticDecoder(GreedyDecoder):
                 self._step(size)
         return torch.stack(said, 1)
 
+    def record(self, max_batch: int) -> None:
+        """On CUDA, size the buffers for `max_batch` windows and record the step of every
+        batch size now, so that no turn waits for a recording (each one a few decoder steps;
+        a bigger batch than ever before would otherwise re-record them all)."""
+        if not self._graphed:
+            return
+        model = self._model
+        frames = model.config.max_source_positions  # the encoder's output for a window
+        self._ensure_buffers(_padded(max_batch), frames, model.dtype)
+        size = 1
+        while size <= self._capacity and self._graphed:
+            self._step(size)
+            size *= 2
+
     # -- the buffers and the step ---------------------------------------------------------
 
-    def _ensure_buffers(self, size: int, audio: torch.Tensor) -> None:
+    def _ensure_buffers(self, size: int, frames: int, dtype: torch.dtype) -> None:
         import torch
 
         if size <= self._capacity:
             return
         layers, heads, dim = len(self._layers), self._heads, self._head_dim
-        options = {"device": audio.device, "dtype": audio.dtype}
+        device = self._model.device
+        options = {"device": device, "dtype": dtype}
         self._keys = torch.zeros(layers, size, heads, self._length, dim, **options)
         self._values = torch.zeros_like(self._keys)
-        frames = audio.shape[1]
         self._audio_keys = torch.zeros(layers, size, heads, frames, dim, **options)
         self._audio_values = torch.zeros_like(self._audio_keys)
-        self._token = torch.zeros(size, dtype=torch.long, device=audio.device)
-        self._position = torch.zeros((), dtype=torch.long, device=audio.device)
-        self._positions = torch.arange(self._length, device=audio.device)
+        self._token = torch.zeros(size, dtype=torch.long, device=device)
+        self._position = torch.zeros((), dtype=torch.long, device=device)
+        self._positions = torch.arange(self._length, device=device)
         self._capacity = size
         self._graphs.clear()  # they point into the old buffers
         self._logits.clear()
@@ -179,3 +193,8 @@ class StaticDecoder(GreedyDecoder):
             hidden = hidden + layer.fc2(layer.activation_fn(layer.fc1(x)))
         hidden = decoder.layer_norm(hidden)
         return self._model.proj_out(hidden[:, 0])
+
+
+def _padded(batch: int) -> int:
+    """The batch size a batch runs at: the next power of two."""
+    return 1 << (batch - 1).bit_length()

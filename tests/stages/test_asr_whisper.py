@@ -275,3 +275,43 @@ def test_static_buffers_serve_batches_of_any_size_one_after_another(tiny_whisper
         together = recognizer._greedy.decode(features)
         alone = [recognizer._greedy.decode(features[i : i + 1]) for i in range(3)]
     assert torch.equal(together, torch.cat(alone))
+
+
+def test_static_steps_are_recorded_for_every_batch_size_before_the_first_turn(
+    tiny_whisper, make_speech, monkeypatch
+):
+    """What `record_steps` does on CUDA, with the recording stood in for (no GPU here): the
+    buffers sized for max_batch once, a step recorded per batch size, none during decodes."""
+    import torch
+
+    from stages.backends.whisper_static import StaticDecoder
+
+    recorded: list[int] = []
+
+    class Replay:  # replays a step by running it, as the recorded graph would
+        def __init__(self, decoder: StaticDecoder, size: int) -> None:
+            self.decoder, self.size = decoder, size
+
+        def replay(self) -> None:
+            self.decoder._logits[self.size] = self.decoder._forward(self.size)
+
+    def capture(self: StaticDecoder, size: int) -> Replay:
+        recorded.append(size)
+        return Replay(self, size)
+
+    monkeypatch.setattr(StaticDecoder, "_capture", capture)
+    recognizer = load_whisper(
+        str(tiny_whisper), decode_loop="static", max_batch=5, max_new_tokens=6, warmup=False
+    )
+    reference = load_whisper(str(tiny_whisper), decode_loop="greedy", max_new_tokens=6)
+    recognizer._greedy._graphed = True
+    recognizer.record_steps()
+    assert recorded == [1, 2, 4, 8] and recognizer._greedy._capacity == 8
+    clips = [make_speech(w).pcm16 for w in ("good morning", "how are you", "see you")]
+    features = recognizer._processor.feature_extractor(
+        [c.astype(np.float32) / 32768 for c in clips], sampling_rate=16000, return_tensors="pt"
+    ).input_features
+    with torch.inference_mode():
+        assert torch.equal(recognizer._greedy.decode(features), reference._greedy.decode(features))
+        recognizer._greedy.decode(features[:1])
+    assert recorded == [1, 2, 4, 8]  # nothing recorded while decoding
