@@ -430,8 +430,10 @@ class ReasoningStage(Stage):
         msg: Cancel,
     ) -> None:
         seq, usage = self.engine.kv_stats_seq(), self.engine.kv_usage()
+        sent_seq = None
         if state is not None and response is not None and not response.finished:
             await self._stop(response)
+            sent_seq = self.engine.kv_stats_seq()  # the abort is on its way to the engine
             if state.response is response:
                 state.response = None
             heard = msg.spoken_text if msg.spoken_text is not None else response.text
@@ -439,7 +441,7 @@ class ReasoningStage(Stage):
         elif state is not None and msg.spoken_text is not None and msg.response_id:
             # the reply had finished generating but was still being spoken
             self._truncate(state, Truncate(msg.response_id, msg.spoken_text))
-        kv = await self.engine.kv_usage_after_abort(seq, usage)
+        kv = await self.engine.kv_usage_after_abort(seq, usage, sent_seq=sent_seq)
         self.ack(session, msg.cancel_id, kv_usage=kv)
 
     def _truncate(self, state: SessionState, msg: Truncate) -> None:

@@ -199,6 +199,7 @@ class VocoderStage(QueuedStage):
         return True
 
     def push_audio(self, session: int, pcm16: bytes, epoch: int) -> None:
+        """One piece of audio onto the session's gateway ring."""
         audio = self.outputs[self.spec.names.instance_for(GATEWAY, session)]
         audio.push(session, Kind.AUDIO_OUT, pcm16, epoch=epoch)
 

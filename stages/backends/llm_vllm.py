@@ -359,22 +359,33 @@ class ReasoningEngine:
         return self._kv.seq
 
     async def kv_usage_after_abort(
-        self, seq_before: int, usage_before: float, timeout: float = 0.1
+        self,
+        seq_before: int,
+        usage_before: float,
+        timeout: float = 0.1,
+        *,
+        sent_seq: int | None = None,
     ) -> float:
-        """KV usage once an abort sent after stats record `seq_before` has been applied.
+        """KV usage once an abort, asked for at stats record `seq_before` and sent by record
+        `sent_seq` (default: the same), has been applied.
 
         The engine core applies aborts eagerly, within the step in flight, and sends stats once
         per step. The first record after the abort shows the freed blocks unless it left the
-        core just before the abort arrived; so a record counts if it shows less usage than
-        `usage_before` or an empty scheduler, and otherwise the second record is taken. Past
-        `timeout` the latest usage is returned.
+        core just before the abort arrived; so a record after `seq_before` counts if it shows
+        less usage than `usage_before` or an empty scheduler, and otherwise the second record
+        after `sent_seq` is taken. (Records handled while the abort was being sent, e.g. behind
+        a busy event loop, were made before it reached the core.) Past `timeout` the latest
+        usage is returned.
         """
         kv, deadline = self._kv, time.monotonic() + timeout
         if usage_before == 0.0 and kv.requests == 0:
             return 0.0  # nothing was held, and an idle engine sends no stats to wait for
+        sent_seq = seq_before if sent_seq is None else sent_seq
         while True:
             seen = kv.seq - seq_before
-            if seen >= 2 or (seen >= 1 and (kv.usage < usage_before or kv.requests == 0)):
+            if kv.seq - sent_seq >= 2 or (
+                seen >= 1 and (kv.usage < usage_before or kv.requests == 0)
+            ):
                 return kv.usage
             remaining = deadline - time.monotonic()
             if remaining <= 0:

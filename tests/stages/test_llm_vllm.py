@@ -249,3 +249,25 @@ def test_tiny_model_build_is_idempotent_and_resumes(
 def test_tiny_model_folder_is_marked_random(tiny_model: Path) -> None:
     assert tiny_chat_model.is_complete(tiny_model)
     assert tiny_chat_model.has_random_weights(tiny_model)
+
+
+def test_kv_usage_after_abort_does_not_count_records_made_before_the_abort_was_sent() -> None:
+    """Records handled while the abort was still being sent (a busy event loop) left the core
+    before it: the usage comes from records after it, not from the second of those."""
+    from stages.backends.llm_vllm import _KvUsageMonitor
+
+    async def scenario() -> float:
+        engine = ReasoningEngine.__new__(ReasoningEngine)  # the KV monitor only, no vLLM
+        engine._kv = kv = _KvUsageMonitor()
+        kv.update(0.2, requests=2)
+        seq, before = kv.seq, kv.usage
+        kv.update(0.2, requests=2)  # handled while the abort was being sent
+        kv.update(0.2, requests=2)
+        sent = kv.seq
+        waiting = asyncio.ensure_future(engine.kv_usage_after_abort(seq, before, sent_seq=sent))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # two records since CANCEL, none since the abort went out
+        kv.update(0.1, requests=1)  # the step after the abort reached the core
+        return await asyncio.wait_for(waiting, 1.0)
+
+    assert asyncio.run(scenario()) == 0.1
