@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--json", help="also write the JSON report to this file")
+    # The workers import numpy, whose OpenBLAS starts a thread that spins for about a second:
+    # in a consumer it read as 40-70 ms of "idle" CPU a second. Nothing here needs BLAS.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     args = parser.parse_args(argv)
     names = [t for t in args.transports.split(",") if t]
     if unknown := set(names) - set(TRANSPORTS):
