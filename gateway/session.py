@@ -74,7 +74,11 @@ class ActiveResponse:
     text: str = ""
     first_audio_ns: int = 0
     samples: int = 0  # audio at the vocoder's rate handed to the transport
-    generated: bool = False  # its last event (AUDIO_DONE, or RESPONSE_DONE for text) came
+    generated: bool = False  # finished: its text and (if spoken) its audio are all in
+    # RESPONSE_DONE and AUDIO_DONE come on different rings (reasoning's, the vocoder's), in
+    # either order; the response is finished once both have come
+    text_done: bool = False
+    audio_done: bool = False
     playback_start: Any = None  # the transport's mark of where its audio began
 
 
@@ -580,6 +584,7 @@ class RealtimeSession:
     def _text_done(self, response: ActiveResponse, text: str, status: str) -> None:
         """The reasoning stage finished the reply's text (the audio may still be coming)."""
         response.text = text
+        response.text_done = True
         if response.audio:
             response.item.content[0]["transcript"] = text
             self.send(
@@ -589,7 +594,7 @@ class RealtimeSession:
                     transcript=text,
                 )
             )
-            if status == "completed":
+            if status == "completed" and not response.audio_done:
                 return  # AUDIO_DONE finishes it
         else:
             response.item.content[0]["text"] = text
@@ -598,9 +603,14 @@ class RealtimeSession:
 
     def _audio_done(self, response: ActiveResponse) -> None:
         self.send(ev.event("response.output_audio.done", **self._where(response)))
-        self._finish(response, "completed")
+        response.audio_done = True
+        if response.text_done:
+            self._finish(response, "completed")
+        # else its RESPONSE_DONE, still on reasoning's ring, finishes it with the whole text
 
     def _finish(self, response: ActiveResponse, status: str) -> None:
+        if response.generated:
+            return  # finished already (a failed reply's audio still ended)
         response.generated = True
         self.send(
             ev.event(

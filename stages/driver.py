@@ -107,6 +107,8 @@ def collect_reply(
             result.t_ns["response_done"] = ev.t_ns
         elif ev.kind is Kind.AUDIO_DONE:
             result.t_ns["audio_done"] = ev.t_ns
+        # the two come on different rings (reasoning's, the vocoder's), in either order
+        if "response_done" in result.t_ns and "audio_done" in result.t_ns:
             return result
 
 

@@ -111,3 +111,29 @@ def test_the_agent_is_held_from_the_first_voiced_frame_until_the_vad_decides(
         assert session.vad.voiced_run < session.vad._onset_frames
         session.feed_audio(np.zeros(320, np.int16))  # a false start: the agent plays on
         assert transport.holds[-1] is False
+
+
+def test_a_reply_whose_audio_ends_before_its_text_arrives_is_finished_once_with_all_of_it() -> None:
+    """AUDIO_DONE (the vocoder's ring) may be read before the last TEXT_DELTA and RESPONSE_DONE
+    (reasoning's ring): response.done waits for the text, and comes once."""
+    from stages.messages import AudioDone, ResponseDone, ResponseStarted, TextDelta
+
+    session = RealtimeSession(
+        "sess_t", RecordingLink(), 1, 22050, GatewayMetrics(), SessionConfig(voice="v"), print
+    )
+    transport = RecordingTransport()
+    session.bind(transport)
+
+    def stage(name: str, kind: Kind, msg: Any) -> None:
+        session.on_stage_event(StageEvent(name, 1, kind, 0, 0, 0, msg))
+
+    stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    stage("reasoning", Kind.TEXT_DELTA, TextDelta("resp_1", "Sunny ", 0))
+    stage("vocoder", Kind.AUDIO_DONE, AudioDone("resp_1", "completed"))
+    assert not [e for e in transport.events if e["type"] == "response.done"]
+    stage("reasoning", Kind.TEXT_DELTA, TextDelta("resp_1", "today.", 1))
+    stage("reasoning", Kind.RESPONSE_DONE, ResponseDone("resp_1", "completed", "Sunny today."))
+    (done,) = [e for e in transport.events if e["type"] == "response.done"]
+    assert done["response"]["status"] == "completed"
+    (content,) = done["response"]["output"][0]["content"]
+    assert content["transcript"] == "Sunny today."
