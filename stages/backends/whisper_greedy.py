@@ -12,6 +12,7 @@ for. Here the host looks at the tokens only every `STOP_CHECK_STEPS` steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -55,16 +56,30 @@ class GreedyDecoder:
 
         model = self._model
         audio = model.model.encoder(features).last_hidden_state
-        batch = audio.shape[0]
-        ids = torch.tensor([self.prompt] * batch, device=audio.device)
+        prompt = torch.tensor([self.prompt] * audio.shape[0], device=audio.device)
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        ended = torch.zeros(batch, dtype=torch.bool, device=audio.device)
-        said: list[torch.Tensor] = []
-        for step in range(self.max_new_tokens):
+
+        def logits_after(token: torch.Tensor | None) -> torch.Tensor:
+            ids = prompt if token is None else token[:, None]
             hidden = model.model.decoder(
                 input_ids=ids, encoder_hidden_states=audio, past_key_values=cache, use_cache=True
             ).last_hidden_state
-            logits = model.proj_out(hidden[:, -1])
+            return model.proj_out(hidden[:, -1])
+
+        return self._pick_tokens(audio.shape[0], logits_after)
+
+    def _pick_tokens(
+        self, batch: int, logits_after: Callable[[torch.Tensor | None], torch.Tensor]
+    ) -> torch.Tensor:
+        """The greedy loop of every decoder: `logits_after(token)` feeds each window its last
+        token (None: the prompt) and gives the logits of the next."""
+        import torch
+
+        token: torch.Tensor | None = None
+        ended = torch.zeros(batch, dtype=torch.bool, device=self._model.device)
+        said: list[torch.Tensor] = []
+        for step in range(self.max_new_tokens):
+            logits = logits_after(token).float()
             logits[:, self._suppress] = -float("inf")
             if step == 0:
                 logits[:, self._suppress_first] = -float("inf")
@@ -73,5 +88,4 @@ class GreedyDecoder:
             said.append(token.masked_fill(ended, self.pad))  # end-of-text too, as generate()
             if (step + 1) % STOP_CHECK_STEPS == 0 and bool(ended.all()):
                 break
-            ids = token[:, None]
         return torch.stack(said, 1)

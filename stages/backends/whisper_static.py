@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from stages.backends.whisper_greedy import STOP_CHECK_STEPS, GreedyDecoder
+from stages.backends.whisper_greedy import GreedyDecoder
 
 if TYPE_CHECKING:
     import torch
@@ -43,35 +43,25 @@ class StaticDecoder(GreedyDecoder):
         self._logits: dict[int, torch.Tensor] = {}  # batch size -> the step's output
 
     def decode(self, features: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        model = self._model
-        audio = model.model.encoder(features).last_hidden_state
+        audio = self._model.model.encoder(features).last_hidden_state
         batch = audio.shape[0]
         size = _padded(batch)
         self._ensure_buffers(size, audio.shape[1], audio.dtype)
         self._load_audio(audio, size)
-        for position, token in enumerate(self.prompt):
-            self._token[:size].fill_(token)
-            self._position.fill_(position)
-            self._step(size)
-        ended = torch.zeros(batch, dtype=torch.bool, device=audio.device)
-        said: list[torch.Tensor] = []
-        for step in range(self.max_new_tokens):
-            logits = self._logits_of(size)[:batch].float()
-            logits[:, self._suppress] = -float("inf")
-            if step == 0:
-                logits[:, self._suppress_first] = -float("inf")
-            token = logits.argmax(-1)
-            ended |= token == self.eos
-            said.append(token.masked_fill(ended, self.pad))
-            if (step + 1) % STOP_CHECK_STEPS == 0 and bool(ended.all()):
-                break
-            if step + 1 < self.max_new_tokens:
+
+        def logits_after(token: torch.Tensor | None) -> torch.Tensor:
+            if token is None:
+                for position, prompt_token in enumerate(self.prompt):
+                    self._token[:size].fill_(prompt_token)
+                    self._position.fill_(position)
+                    self._step(size)
+            else:
                 self._token[:batch].copy_(token)
                 self._position.add_(1)
                 self._step(size)
-        return torch.stack(said, 1)
+            return self._logits[size][:batch]
+
+        return self._pick_tokens(batch, logits_after)
 
     def record(self, max_batch: int) -> None:
         """On CUDA, size the buffers for `max_batch` windows and record the step of every
@@ -119,7 +109,7 @@ class StaticDecoder(GreedyDecoder):
             self._audio_values[i, :batch] = attention.v_proj(audio).view(shape).transpose(1, 2)
 
     def _step(self, size: int) -> None:
-        """One decoder step of the first `size` rows; its logits in `_logits_of(size)`."""
+        """One decoder step of the first `size` rows; its logits in `_logits[size]`."""
         if not self._graphed:
             self._logits[size] = self._forward(size)
             return
@@ -133,9 +123,6 @@ class StaticDecoder(GreedyDecoder):
                 self._logits[size] = self._forward(size)
                 return
         graph.replay()
-
-    def _logits_of(self, size: int) -> torch.Tensor:
-        return self._logits[size]
 
     def _capture(self, size: int) -> Any:
         import torch
