@@ -674,7 +674,10 @@ class Variant:
             None if self.vocoder_dtype is None else f"vocoder {self.vocoder_dtype}",
             self.thread_shares,
             None if self.gateway_processes is None else f"gw {self.gateway_processes}",
-            *(f"{k}={v}" for k, v in self.settings),
+            *(
+                f"{k}={'+'.join(map(str, v)) if isinstance(v, tuple) else v}"
+                for k, v in self.settings
+            ),
         )
         return " ".join(str(part) for part in parts if part is not None)
 
@@ -694,15 +697,18 @@ class Variant:
             overrides["mps_thread_percent"] = dict(self.thread_shares.shares)
         if self.gateway_processes is not None:
             overrides["gateway.processes"] = self.gateway_processes
-        for keys, value in self.settings:  # "a.b+c.d": both keys take the value
-            overrides |= dict.fromkeys(keys.split("+"), value)
+        for keys, value in self.settings:  # "a.b+c.d": both keys take the value, or one each
+            names = keys.split("+")
+            values = value if isinstance(value, tuple) else (value,) * len(names)
+            overrides |= dict(zip(names, values, strict=True))
         notes = [f"{k}: {v} (from the command line)" for k, v in overrides.items()]
         return overrides, notes
 
 
 def parse_setting(text: str) -> list[tuple[str, Any]]:
     """`--set KEY=V1,V2`: one dimension of variants, KEY set to each value (YAML scalars).
-    KEY may name several keys joined by "+", which take each value together."""
+    KEY may name several keys joined by "+", which take each value together, or one part
+    each of a value joined by "+" as many times (`a.b+c.d=200+3,120+2`)."""
     import yaml
 
     key, sep, values = text.partition("=")
@@ -712,7 +718,18 @@ def parse_setting(text: str) -> list[tuple[str, Any]]:
             f"--set {text!r}: KEY[+KEY...]=VALUE[,VALUE...], e.g. "
             "reasoning.sampling.max_tokens=400,60"
         )
-    return [(key, yaml.safe_load(v)) for v in values.split(",")]
+    out: list[tuple[str, Any]] = []
+    for value in values.split(","):
+        parts = value.split("+")
+        if len(keys) > 1 and len(parts) == len(keys):
+            out.append((key, tuple(yaml.safe_load(v) for v in parts)))
+        elif len(parts) > 1 and len(keys) > 1:
+            raise argparse.ArgumentTypeError(
+                f"--set {text!r}: {value!r} has {len(parts)} parts for {len(keys)} keys"
+            )
+        else:
+            out.append((key, yaml.safe_load(value)))
+    return out
 
 
 def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:

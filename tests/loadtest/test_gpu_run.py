@@ -287,7 +287,12 @@ def test_any_config_key_can_be_a_variant_and_a_bad_one_fails_before_anything_run
     assert config.encoder.options["stream_priority"] == "high"
     assert config.vocoder.options["stream_priority"] == "high"
     assert config.vocoder.options["dtype"] == "bfloat16"  # the file's other options stay
-    for bad in ("max_tokens", "=60", "reasoning..max_tokens=1", "a.b+=1"):
+    pair = "gateway.prepare_reply_ms+vocoder.first_phrase_words"
+    early = Variant(settings=(parse_setting(f"{pair}=200+3,120+2")[1],))
+    config, _ = layout_config("one", MODELS, 1, "cuda", early)
+    assert (config.gateway.prepare_reply_ms, config.vocoder.first_phrase_words) == (120, 2)
+    assert early.key("one") == f"one {pair}=120+2"
+    for bad in ("max_tokens", "=60", "reasoning..max_tokens=1", "a.b+=1", "a.b+c.d=1+2+3"):
         with pytest.raises(SystemExit):
             main(["--device", "cpu", "--set", bad])
         assert "--set" in capsys.readouterr().err
