@@ -844,15 +844,28 @@ def describe_machine() -> dict[str, Any]:
     }
 
 
-def caller_speech() -> np.ndarray:
-    """The caller's question spoken by espeak-ng (from its wheel), 48 kHz, leading silence cut."""
+def caller_speech(pause_ms: int = 0) -> np.ndarray:
+    """The caller's question spoken by espeak-ng (from its wheel), 48 kHz, leading silence cut.
+
+    With `pause_ms` the question is two halves with that much silence between them: a caller
+    who stops mid-sentence, so a reply prepared at the pause is started and then dropped."""
     from stages.audio import resample
     from stages.backends.tts_espeak import load_espeak
 
     voice = load_espeak(voice="en-us")
-    pcm = np.concatenate(list(voice.synthesize(QUESTION)))
-    start = int(np.argmax(np.abs(pcm) > 500))
-    return resample(pcm[start:], voice.sample_rate, 48000)
+
+    def speak(text: str, *, trailing_silence: bool = True) -> np.ndarray:
+        pcm = np.concatenate(list(voice.synthesize(text)))
+        voiced = np.flatnonzero(np.abs(pcm) > 500)
+        end = len(pcm) if trailing_silence else voiced[-1] + 1
+        return resample(pcm[voiced[0] : end], voice.sample_rate, 48000)
+
+    if not pause_ms:
+        return speak(QUESTION)
+    words = QUESTION.split()
+    first, rest = " ".join(words[: len(words) // 2]), " ".join(words[len(words) // 2 :])
+    silence = np.zeros(48 * pause_ms, dtype=np.int16)
+    return np.concatenate([speak(first, trailing_silence=False), silence, speak(rest)])
 
 
 # -- report ------------------------------------------------------------------------------
@@ -952,10 +965,19 @@ def main(argv: list[str] | None = None) -> int:
         "the file's",
     )
     add_set_argument(parser, "reasoning.sampling.max_tokens=400,60")
+    parser.add_argument(
+        "--caller-pause-ms",
+        type=int,
+        default=0,
+        help="silence in the middle of the caller's question (e.g. 300: a reply prepared at "
+        "the pause is dropped when the caller goes on); 0: none",
+    )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
     args = parser.parse_args(argv)
+    if not 0 <= args.caller_pause_ms <= 5000:
+        parser.error(f"--caller-pause-ms {args.caller_pause_ms}: must be 0..5000")
     from loadtest.gpu_models import describe, ensure_models
     from stages.placement import count_gpus
 
@@ -997,8 +1019,9 @@ def main(argv: list[str] | None = None) -> int:
         models = pool.submit(ensure_models, args.models_root, args.device, preset).result()
     results["models"] = {"build_s": round(time.monotonic() - t0, 1), **describe(models)}
     log(f"models ready in {results['models']['build_s']} s")
-    speech = caller_speech()
+    speech = caller_speech(args.caller_pause_ms)
     results["caller_speech_s"] = round(len(speech) / 48000, 2)
+    results["caller_pause_ms"] = args.caller_pause_ms
     for name, variant in itertools.product(layouts, variants):
         key = variant.key(name)
         log(f"layout {key}: {LAYOUT_CONFIGS[name]}")

@@ -18,6 +18,7 @@ from loadtest.gpu_run import (
     Traces,
     Variant,
     Vocoders,
+    caller_speech,
     cancel_latencies,
     inter_token_ms,
     layout_config,
@@ -300,3 +301,20 @@ def test_any_config_key_can_be_a_variant_and_a_bad_one_fails_before_anything_run
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--set", "reasoning.max_tokenz=60"])
     assert "max_tokenz" in capsys.readouterr().err
+
+
+def test_a_paused_caller_stops_mid_question_for_as_long_as_asked() -> None:
+    def longest_silence_ms(pcm: np.ndarray) -> float:
+        frames = [np.abs(pcm[i : i + FRAME]).max() <= 500 for i in range(0, len(pcm), FRAME)]
+        longest = run = 0
+        for quiet in frames[: last_voiced_frame(pcm)]:
+            run = run + 1 if quiet else 0
+            longest = max(longest, run)
+        return longest * FRAME / 48
+
+    plain, paused = caller_speech(), caller_speech(300)
+    assert longest_silence_ms(plain) < 100  # espeak's gaps between words
+    assert 280 <= longest_silence_ms(paused) <= 400  # in whole 20 ms frames
+    assert abs(len(paused) - len(plain) - 300 * 48) < 0.1 * len(plain)  # the same words
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--caller-pause-ms", "-1"])
