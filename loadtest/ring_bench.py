@@ -47,7 +47,7 @@ class Transport:
 
 
 def make_transport(name: str, tmpdir: str) -> Transport:
-    if name == "omni_ring":
+    if name in ("omni_ring", "omni_ring_yield"):
         from shm import Control, Ring, segment_name
 
         control = Control.create(segment_name("bench-ctl"), 4)
@@ -73,11 +73,12 @@ def make_transport(name: str, tmpdir: str) -> Transport:
 
 def open_end(name: str, spec: Any, role: str) -> tuple[Send | None, Recv | None, Callable]:
     """The sending or receiving end of a transport, opened inside a worker process."""
-    if name == "omni_ring":
+    if name in ("omni_ring", "omni_ring_yield"):
         from shm import Control, Ring
 
         control = Control.attach(spec[1])
         ring = Ring.attach(spec[0], control, role=role)
+        ring.wake_yield = name == "omni_ring_yield"  # the producer's end is the one it changes
 
         def send(b: bytes) -> None:
             ring.push(b, session=0, kind=1, timeout=RECV_TIMEOUT_S)
@@ -253,7 +254,8 @@ def machine() -> dict[str, Any]:
     }
 
 
-TRANSPORTS = ["omni_ring", "mp_queue", "mp_pipe", "faster_fifo", "zmq_ipc"]
+# omni_ring_yield: the ring whose producer yields its CPU to the consumer it wakes (wake_yield)
+TRANSPORTS = ["omni_ring", "omni_ring_yield", "mp_queue", "mp_pipe", "faster_fifo", "zmq_ipc"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,14 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         ring = next((r for r in rows if r["transport"] == "omni_ring"), None)
         print(f"\n{size}-byte records")
         print(
-            f"{'transport':<12} {'p50 us':>8} {'p99 us':>8} {'p99.9 us':>9} {'rec/s':>11}"
+            f"{'transport':<15} {'p50 us':>8} {'p99 us':>8} {'p99.9 us':>9} {'rec/s':>11}"
             f" {'GB/s':>7} {'idle CPU ms/s':>13} {'p99 vs ring':>11}"
         )
         for r in rows:
             lat = r["latency_us"]
             ratio = lat["p99"] / ring["latency_us"]["p99"] if ring else float("nan")
             print(
-                f"{r['transport']:<12} {lat['p50']:8.1f} {lat['p99']:8.1f} {lat['p99_9']:9.1f}"
+                f"{r['transport']:<15} {lat['p50']:8.1f} {lat['p99']:8.1f} {lat['p99_9']:9.1f}"
                 f" {r['records_per_s']:11,.0f} {r['gb_per_s']:7.3f}"
                 f" {r['idle_consumer_cpu_ms_per_s']:13.2f} {ratio:10.1f}x"
             )

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -82,6 +83,8 @@ og_status og_ring_open(og_ring *ring, void *base, size_t segment_size) {
     ring->mask = cap - 1;
     ring->control = NULL;
     ring->peek_end = 0;
+    ring->wake_yield = 0;
+    ring->last_wake_ns = 0;
     return OG_OK;
 }
 
@@ -165,11 +168,14 @@ static void futex_wake(_Atomic uint32_t *word) {
 
 /* Wake the other side only if it announced that it sleeps: one load on the fast path, a
  * syscall only for a sleeper. Pairs with the store-then-recheck in sleep_on(). */
-static inline void wake_if_sleeping(_Atomic uint32_t *sleeping) {
+static inline int wake_if_sleeping(_Atomic uint32_t *sleeping) {
     atomic_thread_fence(memory_order_seq_cst);
     if (atomic_load_explicit(sleeping, memory_order_relaxed) &&
-        atomic_exchange_explicit(sleeping, 0, memory_order_acq_rel))
+        atomic_exchange_explicit(sleeping, 0, memory_order_acq_rel)) {
         futex_wake(sleeping);
+        return 1;
+    }
+    return 0;
 }
 
 int og_pid_alive(int32_t pid) {
@@ -273,7 +279,16 @@ og_status og_ring_push(og_ring *ring, og_record_header *hdr, const void *payload
         memcpy(ring->data + off + HDR, payload, length);
     atomic_store_explicit(&s->prod.pushed, seq + 1, memory_order_relaxed);
     atomic_store_explicit(&s->prod.head, head + total, memory_order_release);
-    wake_if_sleeping(&s->cons.sleeping);
+    /* The scheduler usually queues the woken consumer on this very CPU (waking the other,
+     * halted vCPU costs more), where it waits until the producer blocks or is preempted: a
+     * variable 5-30 us. With wake_yield the producer yields so that it runs now (a no-op when
+     * it went elsewhere), only for a wake that ends a quiet spell: in a burst, yielding on
+     * every wake turns the ring into a record-by-record ping-pong (10x fewer records/s). */
+    if (wake_if_sleeping(&s->cons.sleeping) && ring->wake_yield) {
+        if (hdr->t_ns - ring->last_wake_ns > OG_YIELD_AFTER_NS)
+            sched_yield();
+        ring->last_wake_ns = hdr->t_ns;
+    }
     return OG_OK;
 }
 

@@ -119,7 +119,14 @@ typedef struct {
     og_control_shared *control; /* may be NULL: no epoch filtering */
     /* consumer-local: the record returned by og_ring_peek, consumed by og_ring_advance */
     uint64_t peek_end;
+    /* producer-local: whether og_ring_push yields its CPU to a consumer it woke after a quiet
+     * spell (0: never), and when it last woke the consumer */
+    int wake_yield;
+    uint64_t last_wake_ns;
 } og_ring;
+
+/* A wake ends a quiet spell when the producer's previous wake is older than this. */
+#define OG_YIELD_AFTER_NS 100000u
 
 size_t og_ring_segment_size(uint64_t capacity);
 size_t og_control_segment_size(uint32_t max_sessions);

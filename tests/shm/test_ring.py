@@ -249,3 +249,15 @@ def test_session_slots_are_claimed_once_and_purged_on_reuse(ring: Ring, control:
         assert small.open_session() == a
     finally:
         small.close()
+
+
+def test_wake_yield_is_off_until_asked_and_refused_once_closed(control: Control) -> None:
+    ring = Ring.create(segment_name("test-yield"), 4096, control=control)
+    assert ring.wake_yield is False
+    ring.wake_yield = True
+    assert ring.wake_yield is True
+    assert ring.push(b"x", session=0, kind=1)  # no consumer sleeps: nothing to wake or yield
+    assert ring.pop(0).payload == b"x"
+    ring.close()
+    with pytest.raises(ValueError, match="closed"):
+        ring.wake_yield = False

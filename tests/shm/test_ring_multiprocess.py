@@ -26,18 +26,25 @@ def _payload(i: int, rng: random.Random, max_len: int) -> bytes:
     return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
 
 
-def produce_random(name: str, ctl_name: str, seed: int, count: int, max_len: int) -> None:
+def produce_random(
+    name: str, ctl_name: str, seed: int, count: int, max_len: int, wake_yield: bool = False
+) -> None:
     rng = random.Random(seed)
     with Control.attach(ctl_name) as ctl, Ring.attach(name, ctl, role="producer") as ring:
+        ring.wake_yield = wake_yield
         for i in range(count):
             assert ring.push(_payload(i, rng, max_len), session=i % 4, kind=1 + i % 3, timeout=10)
 
 
-def test_random_sizes_across_many_wraps_every_byte_and_seq(control: Control) -> None:
+@pytest.mark.parametrize("wake_yield", [False, True], ids=["plain", "wake_yield"])
+def test_random_sizes_across_many_wraps_every_byte_and_seq(
+    control: Control, wake_yield: bool
+) -> None:
     seed, max_len = 1234, 1500
     with Ring.create(segment_name("test-mp"), 8192, control=control) as ring:
         proc = ctx.Process(
-            target=produce_random, args=(ring.name, control.name, seed, N_RECORDS, max_len)
+            target=produce_random,
+            args=(ring.name, control.name, seed, N_RECORDS, max_len, wake_yield),
         )
         proc.start()
         rng = random.Random(seed)
