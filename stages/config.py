@@ -173,6 +173,12 @@ class VocoderConfig(TorchStageConfig):
 class RingsConfig(Strict):
     audio_bytes: int = Field(4 << 20, ge=1 << 16, description="rings that carry audio")
     event_bytes: int = Field(1 << 20, ge=1 << 14, description="rings that carry events")
+    wake_yield: bool = Field(
+        False,
+        description="a producer that wakes a sleeping consumer yields its CPU to it, which is "
+        "usually queued on the producer's CPU: a shorter tail for the ring alone, slower hops "
+        "in a loaded pipeline (shm.Ring.wake_yield; docs/benchmarks.md)",
+    )
 
 
 class SupervisorConfig(Strict):

@@ -62,18 +62,22 @@ def role_of(instance: str) -> str:
 @dataclass(frozen=True)
 class RingNames:
     """Segment names and process instances of one pipeline; picklable, handed to every stage
-    process. `replicas`: roles that run as several processes, with their counts."""
+    process. `replicas`: roles that run as several processes, with their counts. `wake_yield`:
+    every producer yields its CPU to the consumer it wakes (RingsConfig.wake_yield)."""
 
     prefix: str
     replicas: tuple[tuple[str, int], ...] = ()
+    wake_yield: bool = False
 
     @classmethod
-    def fresh(cls, replicas: Mapping[str, int] | None = None) -> RingNames:
+    def fresh(
+        cls, replicas: Mapping[str, int] | None = None, *, wake_yield: bool = False
+    ) -> RingNames:
         counts = tuple(sorted((r, n) for r, n in (replicas or {}).items() if n != 1))
         for role, n in counts:
             if role not in (GATEWAY, *STAGES) or n < 1:
                 raise ValueError(f"cannot run {n} replicas of {role!r}")
-        return cls(segment_name("pipe")[1:], counts)
+        return cls(segment_name("pipe")[1:], counts, wake_yield)
 
     @property
     def control(self) -> str:
@@ -187,9 +191,9 @@ def attach_ends(names: RingNames, me: str) -> tuple[Control, dict[str, Ring], di
             if dst == me:
                 inputs[src] = Ring.attach(names.ring(src, dst), control, role="consumer")
             elif src == me:
-                outputs[dst] = Outbox(
-                    Ring.attach(names.ring(src, dst), control, role="producer"), src, dst
-                )
+                ring = Ring.attach(names.ring(src, dst), control, role="producer")
+                outputs[dst] = Outbox(ring, src, dst)
+                ring.wake_yield = names.wake_yield
     except BaseException:
         for ring in [*inputs.values(), *(o.ring for o in outputs.values())]:
             ring.close()

@@ -86,7 +86,10 @@ class Supervisor:
         """`gateways`: how many gateway processes will attach (each gets its own rings)."""
         self.config = config
         self.log_level = log_level
-        self.names = RingNames.fresh({"vocoder": config.vocoder.replicas, GATEWAY: gateways})
+        self.names = RingNames.fresh(
+            {"vocoder": config.vocoder.replicas, GATEWAY: gateways},
+            wake_yield=config.rings.wake_yield,
+        )
         self.rings: RingSet | None = None
         # by instance: 'encoder', 'reasoning', 'vocoder' and the vocoder's replicas
         self.stages = {name: StageProcess(name) for name in self.names.stages}

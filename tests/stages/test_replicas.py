@@ -14,7 +14,7 @@ import pytest
 from gateway.config import load_config
 from stages.link import EventQueues, PipelineLink
 from stages.messages import Kind
-from stages.rings import RingNames, role_of
+from stages.rings import RingNames, RingSet, attach_ends, role_of
 from stages.supervisor import Supervisor
 from tests.stages.stage_events import cancel_acks, wait_for
 
@@ -40,6 +40,25 @@ def test_ring_names_expand_the_replicas() -> None:
     assert RingNames.fresh({"vocoder": 1}).replicas == ()  # one is no replica at all
     with pytest.raises(ValueError, match="replicas of 'supervisor'"):
         RingNames.fresh({"supervisor": 2})
+
+
+@pytest.mark.parametrize("wake_yield", [False, True])
+def test_the_config_says_whether_every_producer_yields_to_the_consumer_it_wakes(
+    wake_yield: bool,
+) -> None:
+    config = load_config(OFFLINE, {"rings.wake_yield": wake_yield})
+    names = RingNames.fresh(wake_yield=config.rings.wake_yield)
+    rings = RingSet(names, config)
+    try:
+        control, inputs, outputs = attach_ends(names, "reasoning")
+        assert set(outputs) == {"gateway", "vocoder"} and inputs
+        assert all(o.ring.wake_yield is wake_yield for o in outputs.values())
+        assert not any(ring.wake_yield for ring in inputs.values())  # a consumer's end
+        for ring in [*inputs.values(), *(o.ring for o in outputs.values())]:
+            ring.close()
+        control.close()
+    finally:
+        rings.close()
 
 
 def test_gateway_processes_own_strides_that_replicas_split() -> None:
