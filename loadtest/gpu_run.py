@@ -999,9 +999,17 @@ def main(argv: list[str] | None = None) -> int:
     folders = SimpleNamespace(whisper="w", chat="c", speecht5="t", hifigan="h")
     for name, variant in itertools.product(layouts, variants):
         try:
-            layout_config(name, folders, args.gpu_count, args.device, variant)
+            config, _ = layout_config(name, folders, args.gpu_count, args.device, variant)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             parser.error(f"variant {variant.key(name)!r}: {exc}")
+        # the inter-token runs open every reply's session on the first gateway process
+        own = len(range(0, config.max_sessions, config.gateway.processes))
+        if args.itl_streams and max(args.itl_streams) > own:
+            parser.error(
+                f"variant {variant.key(name)!r}: --itl-streams {max(args.itl_streams)} needs "
+                f"that many sessions in one gateway process, which has {own} (max_sessions "
+                f"{config.max_sessions} over {config.gateway.processes} processes)"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),

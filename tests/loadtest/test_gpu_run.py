@@ -318,3 +318,14 @@ def test_a_paused_caller_stops_mid_question_for_as_long_as_asked() -> None:
     assert abs(len(paused) - len(plain) - 300 * 48) < 0.1 * len(plain)  # the same words
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--caller-pause-ms", "-1"])
+
+
+def test_more_inter_token_streams_than_one_gateway_process_has_sessions_fail_at_once(
+    capsys,
+) -> None:
+    config, _ = layout_config("one", MODELS, 1, "cuda", Variant())
+    own = len(range(0, config.max_sessions, config.gateway.processes))
+    assert own >= 32  # the default run's 32 replies at once fit
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--itl-streams", str(own + 1)])
+    assert f"has {own}" in capsys.readouterr().err
