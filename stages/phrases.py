@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import re
 
-# a phrase ends at sentence or clause punctuation followed by whitespace
-_BOUNDARY = re.compile(r"[.!?;:,\u2026]+[\"')\]]*\s+")
+# A phrase ends at sentence or clause punctuation followed by whitespace, or at full-width
+# punctuation (Chinese, Japanese), which no space follows.
+_BOUNDARY = re.compile(r"[.!?;:,\u2026]+[\"')\]]*\s+|[\u3002\uff01\uff1f\uff1b\uff1a\uff0c\u3001]+")
+
+# A phrase is cut after this many characters a word when no word ends in time: text without
+# spaces (Chinese, Japanese; a random-weight model's tokens) would otherwise wait for the
+# reply's end or its next punctuation before a word was ever counted.
+CHARS_PER_WORD = 6
 
 
 class PhraseSplitter:
@@ -13,7 +19,8 @@ class PhraseSplitter:
 
     The first phrase goes out at the first punctuation boundary or after `first_words` whole
     words, whichever comes first, so speech starts within a few tokens. Later phrases end at
-    punctuation, or after `max_words` words when the model writes none.
+    punctuation, or after `max_words` words when the model writes none. A phrase of text with
+    no spaces is cut after `CHARS_PER_WORD` characters a word, at its last space if it has one.
     """
 
     def __init__(self, first_words: int = 4, max_words: int = 20) -> None:
@@ -43,9 +50,20 @@ class PhraseSplitter:
         if len(words) >= limit and (cut is None or words[limit - 1].end() < cut):
             cut = words[limit - 1].end()
         if cut is None:
+            cut = self._cut_long(limit * CHARS_PER_WORD)
+        if cut is None:
             return None
         phrase, self._buffer = self._buffer[:cut].strip(), self._buffer[cut:]
         if not phrase:
             return None
         self._emitted += 1
         return phrase
+
+    def _cut_long(self, chars: int) -> int | None:
+        """Where to cut a buffer that holds `chars` characters of text without a boundary."""
+        start = len(self._buffer) - len(self._buffer.lstrip())
+        if len(self._buffer) - start < chars:
+            return None
+        end = start + chars
+        space = self._buffer.rfind(" ", start, end)
+        return space + 1 if space > start else end

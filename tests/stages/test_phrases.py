@@ -1,0 +1,56 @@
+"""The phrase splitter: where a stream of text deltas is cut into phrases to speak."""
+
+from __future__ import annotations
+
+from stages.phrases import CHARS_PER_WORD, PhraseSplitter
+
+
+def spoken(splitter: PhraseSplitter, deltas: list[str]) -> list[str]:
+    phrases = [p for d in deltas for p in splitter.feed(d)]
+    if rest := splitter.flush():
+        phrases.append(rest)
+    return phrases
+
+
+def test_the_first_phrase_goes_after_a_few_words_and_later_ones_at_punctuation() -> None:
+    text = "Well I think the weather today is sunny, with a light breeze. Enjoy it!"
+    phrases = spoken(PhraseSplitter(first_words=3, max_words=20), [w + " " for w in text.split()])
+    assert phrases == [
+        "Well I think",
+        "the weather today is sunny,",
+        "with a light breeze.",
+        "Enjoy it!",
+    ]
+
+
+def test_a_word_still_growing_is_not_cut() -> None:
+    splitter = PhraseSplitter(first_words=2)
+    assert splitter.feed("Hello wor") == []
+    assert splitter.feed("ld again") == ["Hello world"]
+    assert splitter.flush() == "again"
+
+
+def test_punctuation_before_the_word_limit_ends_the_first_phrase() -> None:
+    assert spoken(PhraseSplitter(first_words=4), ["Yes, ", "of course."]) == ["Yes,", "of course."]
+
+
+def test_full_width_punctuation_ends_a_phrase_with_no_space_after_it() -> None:
+    deltas = ["今天", "天气", "很好，", "阳光", "明媚。", "出去", "走走吧！"]
+    phrases = spoken(PhraseSplitter(first_words=4, max_words=20), deltas)
+    assert phrases == ["今天天气很好，", "阳光明媚。", "出去走走吧！"]
+
+
+def test_text_without_spaces_or_punctuation_is_cut_at_a_bounded_length() -> None:
+    splitter = PhraseSplitter(first_words=3, max_words=5)
+    text = "数" * 100
+    phrases = spoken(splitter, list(text))
+    assert [len(p) for p in phrases[:2]] == [3 * CHARS_PER_WORD, 5 * CHARS_PER_WORD]
+    assert "".join(phrases) == text  # nothing lost or repeated
+
+
+def test_a_long_run_is_cut_at_its_last_space() -> None:
+    # two "words" of random tokens: the first ends in time, the second never does
+    splitter = PhraseSplitter(first_words=3)
+    first = splitter.feed("abcdefgh " + "x" * 20)
+    assert first == ["abcdefgh"]
+    assert splitter.flush() == "x" * 20
