@@ -9,6 +9,7 @@ already passed on.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import itertools
 import logging
 import os
@@ -260,6 +261,8 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
     # Ctrl-C reaches the whole process group; the supervisor decides, and stops us by SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: what a stuck stage is doing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(
         target=_stop_without_supervisor,
         args=(os.getppid(), stop),

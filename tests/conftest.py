@@ -12,9 +12,12 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 import wave
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -108,6 +111,21 @@ def _speak(text: str, wav: Path) -> None:
         subprocess.run(["espeak-ng", *SPEECH_VOICE, "-w", str(raw), text], check=True)
         subprocess.run(["sox", str(raw), *SOX_ARGS, str(made), *SOX_EFFECTS], check=True)
         os.replace(made, wav)  # whole or not at all, for a run beside this one
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A test that failed beside a running `supervisor` gets every stage's thread stacks in its
+    captured output (stage processes dump them on SIGUSR1): what a stuck stage was doing."""
+    report = yield
+    supervisor = getattr(item, "funcargs", {}).get("supervisor")
+    if report.when == "call" and report.failed and isinstance(supervisor, Supervisor):
+        for name, stage in supervisor.stages.items():
+            if stage.process is not None and stage.process.is_alive():
+                print(f"--- {name} (pid {stage.process.pid}) threads ---", file=sys.stderr)
+                os.kill(stage.process.pid, signal.SIGUSR1)
+        time.sleep(0.5)  # a failure path only: the dumps are written by the stage processes
+    return report
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,19 @@ from stages.messages import Kind
 
 
 def wait_for(events: EventQueues, session: int, kind: Kind, timeout: float = 30) -> StageEvent:
-    """The session's next event of `kind`; an ERROR on the way fails the test."""
+    """The session's next event of `kind`; an ERROR on the way fails the test, and a timeout
+    names the events that did come."""
     deadline = time.monotonic() + timeout
+    seen: list[str] = []
     while True:
-        ev = events.next(session, max(0.01, deadline - time.monotonic()))
+        try:
+            ev = events.next(session, max(0.01, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc} waiting for {kind.name}; came before: {seen}") from None
         if ev.kind is kind:
             return ev
         assert ev.kind is not Kind.ERROR, ev.msg
+        seen.append(f"{ev.stage}:{ev.kind.name}")
 
 
 def cancel_acks(events: EventQueues, session: int, cancel_id: str, roles: int = 3) -> set[str]:
