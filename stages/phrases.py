@@ -19,8 +19,9 @@ class PhraseSplitter:
 
     The first phrase goes out at the first punctuation boundary or after `first_words` whole
     words, whichever comes first, so speech starts within a few tokens. Later phrases end at
-    punctuation, or after `max_words` words when the model writes none. A phrase of text with
-    no spaces is cut after `CHARS_PER_WORD` characters a word, at its last space if it has one.
+    punctuation, or after `max_words` words when the model writes none. No phrase is longer
+    than `CHARS_PER_WORD` characters a word: text without spaces is cut there, text with them
+    at its last space before.
     """
 
     def __init__(self, first_words: int = 4, max_words: int = 20) -> None:
@@ -49,8 +50,9 @@ class PhraseSplitter:
         cut = match.end() if match else None
         if len(words) >= limit and (cut is None or words[limit - 1].end() < cut):
             cut = words[limit - 1].end()
-        if cut is None:
-            cut = self._cut_long(limit * CHARS_PER_WORD)
+        capped = self._cut_long(limit * CHARS_PER_WORD)
+        if capped is not None and (cut is None or capped < cut):
+            cut = capped
         if cut is None:
             return None
         phrase, self._buffer = self._buffer[:cut].strip(), self._buffer[cut:]

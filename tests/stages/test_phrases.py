@@ -54,3 +54,9 @@ def test_a_long_run_is_cut_at_its_last_space() -> None:
     first = splitter.feed("abcdefgh " + "x" * 20)
     assert first == ["abcdefgh"]
     assert splitter.flush() == "x" * 20
+
+
+def test_a_boundary_past_the_length_limit_does_not_make_a_long_phrase() -> None:
+    # a released early reply's text comes as one delta
+    phrases = PhraseSplitter(first_words=2).feed("一二三四五六七八九十一二三四五六，好。")
+    assert phrases == ["一二三四五六七八九十一二", "三四五六，", "好。"]
