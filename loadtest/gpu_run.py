@@ -705,6 +705,15 @@ class Variant:
         return overrides, notes
 
 
+def sessions_of_first_gateway(config: Any) -> range:
+    """The session ids of the gateway process that gpu_run's own link (its inter-token runs)
+    opens sessions in."""
+    from stages.rings import GATEWAY, RingNames
+
+    names = RingNames.fresh({GATEWAY: config.gateway.processes})
+    return names.sessions_of(GATEWAY, config.max_sessions)
+
+
 def parse_setting(text: str) -> list[tuple[str, Any]]:
     """`--set KEY=V1,V2`: one dimension of variants, KEY set to each value (YAML scalars).
     KEY may name several keys joined by "+", which take each value together, or one part
@@ -1003,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             parser.error(f"variant {variant.key(name)!r}: {exc}")
         # the inter-token runs open every reply's session on the first gateway process
-        own = len(range(0, config.max_sessions, config.gateway.processes))
+        own = len(sessions_of_first_gateway(config))
         if args.itl_streams and max(args.itl_streams) > own:
             parser.error(
                 f"variant {variant.key(name)!r}: --itl-streams {max(args.itl_streams)} needs "

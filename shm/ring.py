@@ -80,7 +80,6 @@ class Ring:
     def __init__(self, core: _ring.RingCore, control: Control | None) -> None:
         self._core = core
         self.control = control
-        self._wake_yield = False
 
     @property
     def wake_yield(self) -> bool:
@@ -94,12 +93,11 @@ class Ring:
         runs of three, and in the loaded pipeline a yield can hand the CPU to any runnable
         task, not just the consumer (a hop that only crosses rings went from 0.3-0.5 to 2.6-8.6
         ms; docs/benchmarks.md)."""
-        return self._wake_yield
+        return self._core.wake_yield
 
     @wake_yield.setter
     def wake_yield(self, enabled: bool) -> None:
-        self._core.set_wake_yield(enabled)
-        self._wake_yield = bool(enabled)
+        self._core.wake_yield = enabled
 
     @classmethod
     def create(cls, name: str, capacity: int, control: Control | None = None) -> Ring:

@@ -608,14 +608,6 @@ static PyBufferProcs Ring_as_buffer = {
     .bf_releasebuffer = (releasebufferproc)Ring_releasebuffer,
 };
 
-static PyObject *Ring_set_wake_yield(RingObject *self, PyObject *arg) {
-    int enabled = PyObject_IsTrue(arg);
-    if (enabled < 0 || ring_check(self) < 0)
-        return NULL;
-    self->ring.wake_yield = enabled;
-    Py_RETURN_NONE;
-}
-
 static PyObject *Ring_register(RingObject *self, PyObject *arg) {
     const char *role = PyUnicode_AsUTF8(arg);
     if (!role || ring_check(self) < 0)
@@ -696,12 +688,26 @@ static PyMethodDef Ring_methods[] = {
      NULL},
     {"release_view", (PyCFunction)Ring_release_view, METH_NOARGS, NULL},
     {"register", (PyCFunction)Ring_register, METH_O, NULL},
-    {"set_wake_yield", (PyCFunction)Ring_set_wake_yield, METH_O, NULL},
     {"stats", (PyCFunction)Ring_stats, METH_NOARGS, NULL},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, NULL},
     {NULL}};
 
+static PyObject *Ring_get_wake_yield(RingObject *self, void *closure) {
+    return PyBool_FromLong(self->ring.wake_yield);
+}
+
+static int Ring_set_wake_yield(RingObject *self, PyObject *value, void *closure) {
+    int enabled = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (value == NULL)
+        PyErr_SetString(PyExc_AttributeError, "wake_yield cannot be deleted");
+    if (enabled < 0 || ring_check(self) < 0)
+        return -1;
+    self->ring.wake_yield = enabled;
+    return 0;
+}
+
 static PyGetSetDef Ring_getset[] = {
+    {"wake_yield", (getter)Ring_get_wake_yield, (setter)Ring_set_wake_yield, NULL, NULL},
     {"name", (getter)Ring_get_name, NULL, NULL, NULL},
     {"closed", (getter)Ring_get_closed, NULL, NULL, NULL},
     {"owner", (getter)Ring_get_owner, NULL, NULL, NULL},

@@ -25,6 +25,7 @@ from loadtest.gpu_run import (
     load_figures,
     main,
     parse_setting,
+    sessions_of_first_gateway,
     turn_hops,
 )
 from stages.messages import CancelAck, Kind, Phrase, ResponseStarted, TextDelta, Transcript
@@ -324,7 +325,7 @@ def test_more_inter_token_streams_than_one_gateway_process_has_sessions_fail_at_
     capsys,
 ) -> None:
     config, _ = layout_config("one", MODELS, 1, "cuda", Variant())
-    own = len(range(0, config.max_sessions, config.gateway.processes))
+    own = len(sessions_of_first_gateway(config))
     assert own >= 32  # the default run's 32 replies at once fit
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--itl-streams", str(own + 1)])
