@@ -23,7 +23,7 @@ from stages.config import EncoderConfig
 from stages.lanes import SessionLanes
 from stages.messages import Kind, SpeechStopped, Transcript, TurnResumed
 from stages.rings import GATEWAY
-from stages.worker import Inbound, QueuedStage
+from stages.worker import Inbound, QueuedStage, ends_session_state
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,9 @@ class EncoderStage(QueuedStage):
                 self._drop(s)
             self.ack(s, item.msg.cancel_id)
         elif item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
-            self._drop(s)
+            turn = self.turns.get(s)
+            if turn is not None and ends_session_state(item, turn.epoch):
+                self._drop(s)
 
     def _open(self, session: int, turn_id: int, epoch: int) -> Turn:
         self._drop(session)

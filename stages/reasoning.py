@@ -38,7 +38,7 @@ from stages.messages import (
     Truncate,
 )
 from stages.rings import GATEWAY
-from stages.worker import Inbound, Stage, StageSpec
+from stages.worker import Inbound, Stage, StageSpec, ends_session_state
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class EarlyReply:
 @dataclass
 class SessionState:
     conversation: Conversation
+    epoch: int  # the session's epoch when this state was made (see worker.ends_session_state)
     settings: SessionSettings = field(default_factory=SessionSettings)
     response: Response | None = None
     early: EarlyReply | None = None
@@ -227,9 +228,16 @@ class ReasoningStage(Stage):
         if item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
             # swap the state now, so records that follow in the ring find the new session;
             # only stopping the old reply's request waits
-            old = self.sessions.pop(s, None)
+            old = self.sessions.get(s)
+            if old is not None and not ends_session_state(item, old.epoch):
+                # the new holder's turn came first, on the encoder's ring: keep it
+                if item.kind is Kind.SESSION_OPEN and item.msg.instructions:
+                    old.conversation.system_prompt = item.msg.instructions
+                return
+            self.sessions.pop(s, None)
             if item.kind is Kind.SESSION_OPEN:
-                self.sessions[s] = SessionState(self._new_conversation(item.msg.instructions))
+                conversation = self._new_conversation(item.msg.instructions)
+                self.sessions[s] = SessionState(conversation, item.epoch)
             if old is not None and old.response is not None:
                 self._spawn(self._stop(old.response), f"stop-{s}")
         elif item.kind is Kind.CANCEL:
@@ -244,7 +252,7 @@ class ReasoningStage(Stage):
             self._spawn(self._cancel(s, state, response, item.msg), f"cancel-{s}")
         elif item.kind is Kind.TRANSCRIPT:
             msg: Transcript = item.msg
-            state = self._state(s)
+            state = self._state(s, item.epoch)
             early, state.early = state.early, None
             if msg.speculative:
                 if early is not None:
@@ -261,24 +269,24 @@ class ReasoningStage(Stage):
                 options = ReplyOptions.of(state.settings)
                 self._start(s, state, f"resp_{s}_{msg.turn_id}", msg.turn_id, item.epoch, options)
         elif item.kind is Kind.TURN_RESUMED:
-            state = self._state(s)
+            state = self._state(s, item.epoch)
             early = state.early
             if early is not None and early.turn_id == item.msg.turn_id:
                 state.early = None
                 self._drop_early(s, state, early)
         elif item.kind is Kind.RESPONSE_CREATE:
             create: ResponseCreate = item.msg
-            state = self._state(s)
+            state = self._state(s, item.epoch)
             if create.text:
                 state.conversation.add("user", create.text)
             options = ReplyOptions.of(state.settings, create)
             self._start(s, state, create.response_id, -1, item.epoch, options)
         elif item.kind is Kind.TRUNCATE:
-            self._truncate(self._state(s), item.msg)
+            self._truncate(self._state(s, item.epoch), item.msg)
         elif item.kind is Kind.HISTORY:
-            self._state(s).conversation.replace(item.msg)
+            self._state(s, item.epoch).conversation.replace(item.msg)
         elif item.kind is Kind.SESSION_SETTINGS:
-            self._state(s).settings = item.msg
+            self._state(s, item.epoch).settings = item.msg
 
     # -- replies started early, at the caller's pause -----------------------------------------
 
@@ -324,10 +332,11 @@ class ReasoningStage(Stage):
         response.dropped = True
         self._spawn(self._stop(response), f"drop-early-{session}")
 
-    def _state(self, session: int) -> SessionState:
+    def _state(self, session: int, epoch: int) -> SessionState:
         state = self.sessions.get(session)
         if state is None:  # a session whose SESSION_OPEN we missed (e.g. after a restart)
-            state = self.sessions[session] = SessionState(self._new_conversation(None))
+            state = SessionState(self._new_conversation(None), epoch)
+            self.sessions[session] = state
         return state
 
     def _new_conversation(self, instructions: str | None) -> Conversation:

@@ -32,7 +32,7 @@ from stages.messages import AudioDone, Kind, Msg, Phrase
 from stages.passlog import PassLog
 from stages.phrases import PhraseSplitter
 from stages.rings import GATEWAY
-from stages.worker import Inbound, QueuedStage
+from stages.worker import Inbound, QueuedStage, ends_session_state
 
 if TYPE_CHECKING:  # imported with the SpeechT5 voice, never for espeak
     from stages.backends.tts_speecht5 import PhraseStream
@@ -168,7 +168,9 @@ class VocoderStage(QueuedStage):
         elif item.kind is Kind.CANCEL:
             self._drop(s)  # acknowledged already, by `deliver`
         elif item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
-            self._drop(s)
+            reply = self.replies.get(s)
+            if reply is not None and ends_session_state(item, reply.epoch):
+                self._drop(s)
 
     def close(self) -> None:
         for session in list(getattr(self, "replies", ())):

@@ -59,6 +59,25 @@ class Inbound:
     msg: Any  # a messages.Msg, or bytes for audio
 
 
+def epoch_older(a: int, b: int) -> bool:
+    """Whether epoch `a` comes before epoch `b` (32-bit and wrap-safe, as the ring compares)."""
+    return (a - b) % (1 << 32) >= 1 << 31
+
+
+def ends_session_state(item: Inbound, epoch: int) -> bool:
+    """Whether a SESSION_OPEN or SESSION_CLOSE `item` ends a session's state begun in `epoch`.
+
+    A session's records reach a stage on several rings (a reply's start from reasoning, the
+    session's open from the gateway), and reader threads race: the new holder of a session id
+    can have its first reply handled before its own SESSION_OPEN. So an open ends only what an
+    earlier holder left (an older epoch: claiming an id bumps it), and a close what began up
+    to its own epoch.
+    """
+    if item.kind is Kind.SESSION_OPEN:
+        return epoch_older(epoch, item.epoch)
+    return not epoch_older(item.epoch, epoch)
+
+
 class Stage:
     """Base of the encoder, reasoning and vocoder stages."""
 
@@ -129,7 +148,7 @@ class Stage:
         that manage sessions and cancels are never stale."""
         if item.kind in UNPURGEABLE:
             return False
-        return (item.epoch - self.control.epoch(item.session)) % (1 << 32) >= 1 << 31
+        return epoch_older(item.epoch, self.control.epoch(item.session))
 
     def send(self, dst: str, session: int, msg: Msg, *, epoch: int | None = None) -> None:
         """Send to the instance of role `dst` that serves `session`."""

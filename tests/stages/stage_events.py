@@ -1,4 +1,5 @@
-"""Waiting on the stages' events at the gateway's end of the rings, for the pipeline tests."""
+"""Waiting on the stages' events at the gateway's end of the rings, for the pipeline tests;
+and a stand-in for the control segment, for tests of one stage's loop without rings."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def cancel_acks(events: EventQueues, session: int, cancel_id: str, roles: int = 
         if ev.msg.cancel_id == cancel_id:
             acks.add(ev.msg.stage)
     return acks
+
+
+class Epochs:
+    """Every session's epoch, as `shm.Control.epoch` reads it; set `current` to move it."""
+
+    def __init__(self, current: int) -> None:
+        self.current = current
+
+    def epoch(self, session: int) -> int:
+        return self.current

@@ -1,5 +1,6 @@
-"""The vocoder stage's model loop with a reply made at the caller's pause (held), with the
-stage's rings left out: the real espeak voice speaks; what would go to the gateway is noted."""
+"""The vocoder stage's model loop with the stage's rings left out: replies made at the caller's
+pause (held), and the order of a session's records across rings. The real espeak voice speaks;
+what would go to the gateway is noted."""
 
 from __future__ import annotations
 
@@ -15,20 +16,15 @@ from stages.messages import (
     ResponseDone,
     ResponseRelease,
     ResponseStarted,
+    SessionClose,
+    SessionOpen,
     TextDelta,
 )
 from stages.vocoder import VocoderStage
 from stages.worker import Inbound
+from tests.stages.stage_events import Epochs
 
 SESSION, EPOCH, REPLY = 3, 1, "resp_3_1"
-
-
-class Epochs:
-    def __init__(self) -> None:
-        self.current = EPOCH
-
-    def epoch(self, session: int) -> int:
-        return self.current
 
 
 class Noted(VocoderStage):
@@ -37,7 +33,7 @@ class Noted(VocoderStage):
     def __init__(self, max_lead_ms: int = 2000) -> None:  # no rings: Stage.__init__ attaches them
         self.config = PipelineConfig.model_validate({"vocoder": {"max_lead_ms": max_lead_ms}})
         self.stop = threading.Event()
-        self.control = Epochs()
+        self.control = Epochs(EPOCH)
         self.sent: list[object] = []
         self.load()
 
@@ -49,14 +45,17 @@ class Noted(VocoderStage):
         assert (session, epoch) == (SESSION, EPOCH)
         self.sent.append(pcm16)
 
-    def give(self, msg) -> None:
+    def give(self, msg, epoch: int = EPOCH) -> None:
         kinds = {
             ResponseStarted: Kind.RESPONSE_STARTED,
             TextDelta: Kind.TEXT_DELTA,
             ResponseDone: Kind.RESPONSE_DONE,
             ResponseRelease: Kind.RESPONSE_RELEASE,
+            SessionOpen: Kind.SESSION_OPEN,
+            SessionClose: Kind.SESSION_CLOSE,
         }
-        self.handle(Inbound("reasoning", kinds[type(msg)], SESSION, EPOCH, 0, msg))
+        src = "gateway" if isinstance(msg, SessionOpen | SessionClose) else "reasoning"
+        self.handle(Inbound(src, kinds[type(msg)], SESSION, epoch, 0, msg))
 
     def pump_until_idle(self) -> None:
         for _ in range(1000):  # a short reply: a few chunks
@@ -113,3 +112,31 @@ def test_a_cancelled_session_loses_what_a_release_would_have_sent(vocoder) -> No
     vocoder.control.current = EPOCH + 1  # the gateway's CANCEL bumped the epoch
     vocoder.give(ResponseRelease(REPLY, keep=True))
     assert vocoder.sent == []
+
+
+def test_a_reply_handled_before_its_sessions_open_is_spoken() -> None:
+    """The reply comes on reasoning's ring, the SESSION_OPEN on the gateway's: when the reply's
+    start is handled first, the open (same epoch: the same holder) must not drop it."""
+    stage = Noted()
+    stage.give(ResponseStarted(REPLY, 1))
+    stage.give(SessionOpen())
+    stage.give(TextDelta(REPLY, "Sure.", 0))
+    stage.give(ResponseDone(REPLY, "completed", "Sure."))
+    stage.pump_until_idle()
+    assert any(isinstance(r, bytes) for r in stage.sent)
+    assert stage.sent[-1] == AudioDone(REPLY, "completed")
+
+
+def test_the_next_holders_open_and_a_close_drop_the_reply() -> None:
+    stage = Noted()
+    stage.give(ResponseStarted(REPLY, 1))
+    stage.give(SessionClose())
+    assert SESSION not in stage.replies
+
+    stage.give(ResponseStarted(REPLY, 1))
+    # the id was released and claimed again: two bumps
+    stage.control.current = EPOCH + 2
+    stage.give(SessionOpen(), epoch=EPOCH + 2)
+    assert SESSION not in stage.replies
+    stage.pump_until_idle()
+    assert stage.sent == []
