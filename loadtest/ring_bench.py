@@ -1,12 +1,14 @@
 """One-way latency and throughput of the shm ring against the usual Python IPC peers.
 
-Run: python -m loadtest.ring_bench [--latency-count N] [--throughput-count N] [--json FILE]
+Run: python -m loadtest.ring_bench [--latency-count N] [--rounds R] [--json FILE]
 
 Every transport runs in the same invocation with the same two processes: a producer and a
 consumer that blocks in its receive call (never spins). Latency: the producer sends one record
 every --interval-us and stamps CLOCK_MONOTONIC into the payload; the consumer subtracts it
 from its own clock on receipt. Throughput: the producer sends as fast as the transport takes.
-Idle CPU: the consumer waits one second with nothing sent. Prints a table, then JSON.
+Idle CPU: the consumer waits one second with nothing sent. The transports take turns
+(--rounds), and each one's percentiles are over all its rounds' samples: a noisy spell of a
+small VM falls on all of them rather than on whichever ran then. Prints a table, then JSON.
 """
 
 from __future__ import annotations
@@ -178,13 +180,16 @@ def producer(name: str, spec: Any, plan: dict, ready: Any) -> None:
     close()
 
 
-def run_case(name: str, size: int, args: argparse.Namespace, tmpdir: str) -> dict[str, Any]:
+def run_case(
+    name: str, size: int, latency_count: int, args: argparse.Namespace, tmpdir: str
+) -> dict[str, Any]:
+    """One producer and one consumer over transport `name`: their raw figures."""
     ctx = mp.get_context("spawn")
     transport = make_transport(name, tmpdir)
     tput = args.throughput_count if size > 1000 else args.throughput_count * 5
     plan = {
         "size": size,
-        "latency_count": args.latency_count,
+        "latency_count": latency_count,
         "throughput_count": tput,
         "interval_us": args.interval_us,
     }
@@ -201,21 +206,29 @@ def run_case(name: str, size: int, args: argparse.Namespace, tmpdir: str) -> dic
     cons.start()
     prod.start()
     try:
-        deadline = args.latency_count * args.interval_us / 1e6 + 120
+        deadline = latency_count * args.interval_us / 1e6 + 120
         mp.connection.wait([results_r, cons.sentinel], timeout=deadline)
         if not results_r.poll():
             raise RuntimeError(
                 f"{name} {size} B: the consumer ended without a result (exit code {cons.exitcode})"
             )
-        out = results_r.recv()
+        return results_r.recv()
     finally:
         for p in (prod, cons):
             p.join(10)
             if p.is_alive():
                 p.kill()
         transport.cleanup()
-    lat_us = np.asarray(out.pop("latency_ns")) / 1e3
-    tp = out.pop("throughput")
+
+
+def summarize(name: str, size: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One transport's rounds as one result: latency percentiles over every sample of every
+    round (and each round's p99, to show the spread), the median round's throughput, the
+    worst round's idle CPU."""
+    rounds_us = [np.asarray(r["latency_ns"]) / 1e3 for r in runs]
+    lat_us = np.concatenate(rounds_us)
+    rates = [r["throughput"]["records"] / r["throughput"]["seconds"] for r in runs]
+    gbs = [r["throughput"]["bytes"] / r["throughput"]["seconds"] / 1e9 for r in runs]
     return {
         "transport": name,
         "payload_bytes": size,
@@ -224,10 +237,12 @@ def run_case(name: str, size: int, args: argparse.Namespace, tmpdir: str) -> dic
             "p99": float(np.percentile(lat_us, 99)),
             "p99_9": float(np.percentile(lat_us, 99.9)),
             "max": float(lat_us.max()),
+            "samples": int(lat_us.size),
+            "p99_by_round": [float(np.percentile(r, 99)) for r in rounds_us],
         },
-        "records_per_s": tp["records"] / tp["seconds"],
-        "gb_per_s": tp["bytes"] / tp["seconds"] / 1e9,
-        "idle_consumer_cpu_ms_per_s": out["idle_cpu_ms"],
+        "records_per_s": float(np.median(rates)),
+        "gb_per_s": float(np.median(gbs)),
+        "idle_consumer_cpu_ms_per_s": max(r["idle_cpu_ms"] for r in runs),
     }
 
 
@@ -273,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         default=500,
         help="gap between latency samples, so the consumer is asleep for each",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="the transports take turns this many times, each with its share of the latency"
+        " records, so that a noisy spell of the machine falls on all of them alike",
+    )
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--json", help="also write the JSON report to this file")
     # The workers import numpy, whose OpenBLAS starts a thread that spins for about a second:
@@ -282,13 +304,21 @@ def main(argv: list[str] | None = None) -> int:
     names = [t for t in args.transports.split(",") if t]
     if unknown := set(names) - set(TRANSPORTS):
         parser.error(f"unknown transports {sorted(unknown)}; choose from {TRANSPORTS}")
+    if not 1 <= args.rounds <= args.latency_count:
+        parser.error(f"--rounds must be between 1 and --latency-count, not {args.rounds}")
 
-    results = []
+    per_round = [len(part) for part in np.array_split(np.arange(args.latency_count), args.rounds)]
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="ring-bench-") as tmpdir:
-        for label, size in SIZES.items():
-            for name in names:
-                print(f"running {name} {label} ...", file=sys.stderr, flush=True)
-                results.append(run_case(name, size, args, tmpdir))
+        for k, count in enumerate(per_round, 1):
+            for label, size in SIZES.items():
+                for name in names:
+                    print(
+                        f"round {k}/{args.rounds}: {name} {label} ...", file=sys.stderr, flush=True
+                    )
+                    run = run_case(name, size, count, args, tmpdir)
+                    runs.setdefault((name, size), []).append(run)
+    results = [summarize(name, size, r) for (name, size), r in runs.items()]
 
     report = {
         "benchmark": "ring_bench",
