@@ -23,7 +23,7 @@ from stages.config import EncoderConfig
 from stages.lanes import SessionLanes
 from stages.messages import Kind, SpeechStopped, Transcript, TurnResumed
 from stages.rings import GATEWAY
-from stages.worker import Inbound, QueuedStage, ends_session_state
+from stages.worker import Inbound, QueuedStage, ends_state
 
 logger = logging.getLogger(__name__)
 
@@ -111,17 +111,14 @@ class EncoderStage(QueuedStage):
             if turn is not None and turn.turn_id == item.msg.turn_id:
                 job = self._early if item.kind is Kind.TURN_PAUSED else self._resume
                 self.lanes.submit(s, lambda: job(s, turn, item))
-        elif item.kind is Kind.CANCEL:
-            # stale audio is gone from the ring already; a turn begun before the cancel is
-            # dropped, the speech that caused it (newer epoch) is kept
+        elif item.kind in (Kind.CANCEL, Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
+            # stale audio is gone from the ring already; a turn begun before a cancel is
+            # dropped, the speech that caused it (its epoch) is kept
             turn = self.turns.get(s)
-            if turn is not None and turn.epoch != item.epoch:
+            if turn is not None and ends_state(item, turn.epoch):
                 self._drop(s)
-            self.ack(s, item.msg.cancel_id)
-        elif item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
-            turn = self.turns.get(s)
-            if turn is not None and ends_session_state(item, turn.epoch):
-                self._drop(s)
+            if item.kind is Kind.CANCEL:
+                self.ack(s, item.msg.cancel_id)
 
     def _open(self, session: int, turn_id: int, epoch: int) -> Turn:
         self._drop(session)

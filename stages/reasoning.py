@@ -38,7 +38,7 @@ from stages.messages import (
     Truncate,
 )
 from stages.rings import GATEWAY
-from stages.worker import Inbound, Stage, StageSpec, ends_session_state
+from stages.worker import Inbound, Stage, StageSpec, ends_state
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class EarlyReply:
 @dataclass
 class SessionState:
     conversation: Conversation
-    epoch: int  # the session's epoch when this state was made (see worker.ends_session_state)
+    epoch: int  # the session's epoch when this state was made (see worker.ends_state)
     settings: SessionSettings = field(default_factory=SessionSettings)
     response: Response | None = None
     early: EarlyReply | None = None
@@ -229,7 +229,7 @@ class ReasoningStage(Stage):
             # swap the state now, so records that follow in the ring find the new session;
             # only stopping the old reply's request waits
             old = self.sessions.get(s)
-            if old is not None and not ends_session_state(item, old.epoch):
+            if old is not None and not ends_state(item, old.epoch):
                 # the new holder's turn came first, on the encoder's ring: keep it
                 if item.kind is Kind.SESSION_OPEN and item.msg.instructions:
                     old.conversation.system_prompt = item.msg.instructions
@@ -241,12 +241,16 @@ class ReasoningStage(Stage):
             if old is not None and old.response is not None:
                 self._spawn(self._stop(old.response), f"stop-{s}")
         elif item.kind is Kind.CANCEL:
-            # the reply the CANCEL found: by the time the task runs, a new turn may have started
+            # the reply the CANCEL found, if it began before it (a new turn's, on the encoder's
+            # ring, can come first); by the time the task runs, a new turn may have started
             # another (or the session been closed and reopened), which it must not touch
             state = self.sessions.get(s)
             response = state.response if state else None
-            if state is not None and state.early is not None:  # never released: never heard
-                early, state.early = state.early, None
+            if response is not None and not ends_state(item, response.epoch):
+                response = None
+            early = state.early if state else None
+            if early is not None and ends_state(item, early.response.epoch):
+                state.early = None  # never released: never heard
                 self._drop_early(s, state, early)
                 response = None if response is early.response else response
             self._spawn(self._cancel(s, state, response, item.msg), f"cancel-{s}")

@@ -32,7 +32,7 @@ from stages.messages import AudioDone, Kind, Msg, Phrase
 from stages.passlog import PassLog
 from stages.phrases import PhraseSplitter
 from stages.rings import GATEWAY
-from stages.worker import Inbound, QueuedStage, ends_session_state
+from stages.worker import Inbound, QueuedStage, ends_state
 
 if TYPE_CHECKING:  # imported with the SpeechT5 voice, never for espeak
     from stages.backends.tts_speecht5 import PhraseStream
@@ -165,11 +165,10 @@ class VocoderStage(QueuedStage):
                 self._release(s, reply)
             else:
                 self._drop(s)
-        elif item.kind is Kind.CANCEL:
-            self._drop(s)  # acknowledged already, by `deliver`
-        elif item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
+        elif item.kind in (Kind.CANCEL, Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
+            # a CANCEL was acknowledged already, by `deliver`
             reply = self.replies.get(s)
-            if reply is not None and ends_session_state(item, reply.epoch):
+            if reply is not None and ends_state(item, reply.epoch):
                 self._drop(s)
 
     def close(self) -> None:

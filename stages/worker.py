@@ -64,18 +64,19 @@ def epoch_older(a: int, b: int) -> bool:
     return (a - b) % (1 << 32) >= 1 << 31
 
 
-def ends_session_state(item: Inbound, epoch: int) -> bool:
-    """Whether a SESSION_OPEN or SESSION_CLOSE `item` ends a session's state begun in `epoch`.
+def ends_state(item: Inbound, epoch: int) -> bool:
+    """Whether a SESSION_OPEN, SESSION_CLOSE or CANCEL `item` ends a session's state (a turn,
+    a reply) begun in `epoch`.
 
     A session's records reach a stage on several rings (a reply's start from reasoning, the
-    session's open from the gateway), and reader threads race: the new holder of a session id
-    can have its first reply handled before its own SESSION_OPEN. So an open ends only what an
-    earlier holder left (an older epoch: claiming an id bumps it), and a close what began up
-    to its own epoch.
+    session's open and cancels from the gateway), and reader threads race: the new holder of a
+    session id, or the reply a client asks for right after its cancel, can be handled before
+    the open or the cancel that came first. Those bump the epoch before they are sent, so an
+    open or a cancel ends only state of an older epoch, and a close what began up to its own.
     """
-    if item.kind is Kind.SESSION_OPEN:
-        return epoch_older(epoch, item.epoch)
-    return not epoch_older(item.epoch, epoch)
+    if item.kind is Kind.SESSION_CLOSE:
+        return not epoch_older(item.epoch, epoch)
+    return epoch_older(epoch, item.epoch)
 
 
 class Stage:

@@ -1,5 +1,6 @@
 """The model loop of a queued stage (stages.worker.QueuedStage), with the stage's rings left
-out: records waiting in its inbox and the pumps between them."""
+out: records waiting in its inbox and the pumps between them; and which state a session's
+open, close or cancel ends (stages.worker.ends_state)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import itertools
 import queue
 import threading
 
+import pytest
+
 from stages.messages import Kind
-from stages.worker import Inbound, QueuedStage
+from stages.worker import Inbound, QueuedStage, ends_state
 
 
 class Recorder(QueuedStage):
@@ -49,3 +52,26 @@ def test_every_waiting_record_is_handled_before_the_next_pump() -> None:
     assert stage.seen_at_pump[0] == 501
     assert stage.handled[0] == (Kind.CANCEL, 7)  # urgent records still go first
     assert [s for _, s in stage.handled[1:]] == list(range(500))  # the rest in order
+
+
+WRAP = 1 << 32
+
+
+@pytest.mark.parametrize(
+    "kind, record_epoch, state_epoch, ends",
+    [
+        (Kind.SESSION_OPEN, 7, 5, True),  # an earlier holder's state
+        (Kind.SESSION_OPEN, 7, 7, False),  # the new holder's, handled before its open
+        (Kind.CANCEL, 7, 6, True),  # the reply the cancel was sent for
+        (Kind.CANCEL, 7, 7, False),  # the reply asked for right after the cancel
+        (Kind.CANCEL, 7, 8, False),  # one after a later cancel
+        (Kind.SESSION_CLOSE, 7, 7, True),
+        (Kind.SESSION_CLOSE, 7, 6, True),
+        (Kind.SESSION_CLOSE, 7, 9, False),  # the next holder's
+        (Kind.CANCEL, 1, WRAP - 1, True),  # the epoch wrapped between them
+        (Kind.CANCEL, WRAP - 1, 1, False),
+    ],
+)
+def test_what_an_open_close_or_cancel_ends(kind, record_epoch, state_epoch, ends) -> None:
+    item = Inbound("gateway", kind, 0, record_epoch, 0, None)
+    assert ends_state(item, state_epoch) is ends

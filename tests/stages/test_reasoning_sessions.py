@@ -4,11 +4,12 @@ gateway's, and reader threads race."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 from stages.config import PipelineConfig
-from stages.messages import Kind, SessionClose, SessionOpen, Transcript
-from stages.reasoning import ReasoningStage
+from stages.messages import Cancel, Kind, ResponseRelease, SessionClose, SessionOpen, Transcript
+from stages.reasoning import EarlyReply, ReasoningStage, Response
 from stages.worker import Inbound
 from tests.stages.stage_events import Epochs
 
@@ -16,7 +17,8 @@ SESSION, EPOCH = 5, 7
 
 
 class Dispatching(ReasoningStage):
-    """Only the dispatch of records: no rings and no engine (Stage.__init__ attaches rings)."""
+    """Only the dispatch of records: no rings and no engine (Stage.__init__ attaches rings);
+    what it would send, stop and cancel is noted."""
 
     def __init__(self) -> None:
         self.config = PipelineConfig.model_validate({})
@@ -24,6 +26,20 @@ class Dispatching(ReasoningStage):
         self.control = Epochs(EPOCH)
         self.sessions = {}
         self._tasks = set()
+        self.sent: list[object] = []
+        self.spawned: list[str] = []
+        self.cancelled: list[Response | None] = []
+
+    def send(self, dst: str, session: int, msg, *, epoch: int | None = None) -> None:
+        self.sent.append(msg)
+
+    def _spawn(self, coro, name: str) -> None:
+        self.spawned.append(name)
+        coro.close()
+
+    def _cancel(self, session, state, response, msg):
+        self.cancelled.append(response)
+        return asyncio.sleep(0)
 
     def give(self, src: str, kind: Kind, msg, epoch: int = EPOCH) -> None:
         self._dispatch(Inbound(src, kind, SESSION, epoch, 0, msg))
@@ -52,3 +68,29 @@ def test_the_next_holders_open_and_a_close_start_afresh() -> None:
     stage.give("gateway", Kind.SESSION_OPEN, SessionOpen(), epoch=EPOCH + 2)
     state = stage.sessions[SESSION]
     assert state.epoch == EPOCH + 2 and state.conversation.messages == []
+
+
+def test_a_cancel_stops_the_reply_it_was_sent_for_not_one_begun_after() -> None:
+    stage = Dispatching()
+    state = stage._state(SESSION, EPOCH)
+    old = state.response = Response("resp_old", "req-1", EPOCH)
+    stage.give("gateway", Kind.CANCEL, Cancel(1, "resp_old"), epoch=EPOCH + 1)
+    assert stage.cancelled == [old]
+
+    # a new turn's reply, begun after the cancel, was handled before it
+    state.response = Response("resp_new", "req-2", EPOCH + 1)
+    stage.give("gateway", Kind.CANCEL, Cancel(2, "resp_old"), epoch=EPOCH + 1)
+    assert stage.cancelled[-1] is None and state.response.response_id == "resp_new"
+
+
+def test_a_cancel_drops_an_early_reply_begun_before_it_only() -> None:
+    stage = Dispatching()
+    state = stage._state(SESSION, EPOCH)
+    early = Response("resp_5_2", "req-3", EPOCH + 1, held=[])
+    state.response, state.early = early, EarlyReply(2, "is it", None, early)
+    stage.give("gateway", Kind.CANCEL, Cancel(3, None), epoch=EPOCH + 1)
+    assert state.early is not None and stage.sent == []
+
+    stage.give("gateway", Kind.CANCEL, Cancel(4, None), epoch=EPOCH + 2)
+    assert state.early is None and early.dropped
+    assert stage.sent == [ResponseRelease("resp_5_2", keep=False)]

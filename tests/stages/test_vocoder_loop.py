@@ -11,6 +11,7 @@ import pytest
 from stages.config import PipelineConfig
 from stages.messages import (
     AudioDone,
+    Cancel,
     Kind,
     Phrase,
     ResponseDone,
@@ -53,8 +54,9 @@ class Noted(VocoderStage):
             ResponseRelease: Kind.RESPONSE_RELEASE,
             SessionOpen: Kind.SESSION_OPEN,
             SessionClose: Kind.SESSION_CLOSE,
+            Cancel: Kind.CANCEL,
         }
-        src = "gateway" if isinstance(msg, SessionOpen | SessionClose) else "reasoning"
+        src = "gateway" if isinstance(msg, SessionOpen | SessionClose | Cancel) else "reasoning"
         self.handle(Inbound(src, kinds[type(msg)], SESSION, epoch, 0, msg))
 
     def pump_until_idle(self) -> None:
@@ -140,3 +142,17 @@ def test_the_next_holders_open_and_a_close_drop_the_reply() -> None:
     assert SESSION not in stage.replies
     stage.pump_until_idle()
     assert stage.sent == []
+
+
+def test_a_cancel_drops_the_reply_before_it_not_the_one_asked_for_after() -> None:
+    stage = Noted()
+    stage.give(ResponseStarted(REPLY, 1))
+    stage.give(Cancel(1, REPLY), epoch=EPOCH + 1)
+    assert SESSION not in stage.replies
+
+    # response.cancel, then response.create at once: the new reply's start (epoch after the
+    # cancel) is handled before the CANCEL, which must not drop it
+    stage = Noted()
+    stage.give(ResponseStarted("resp_next", 1))
+    stage.give(Cancel(1, REPLY))
+    assert stage.replies[SESSION].response_id == "resp_next"
