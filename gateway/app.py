@@ -32,9 +32,10 @@ from gateway.speech import Utterance
 from gateway.trace import StageTrace
 from gateway.webrtc import WebRTCTransport
 from gateway.websocket import serve_websocket, websocket_response
+from shm import epoch_older
 from stages.link import PipelineLink, SessionsFull, StageEvent
 from stages.messages import Kind
-from stages.rings import GATEWAY, RingNames
+from stages.rings import GATEWAY, UNPURGEABLE, RingNames
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,13 @@ class Gateway:
 
     def _route(self, event: StageEvent) -> None:
         owner = self.by_session.get(event.session)
-        if owner is not None:
-            owner.on_stage_event(event)
+        if owner is None or self.link is None:
+            return
+        # the ring drops what a cancel made stale; this drops what was on its way to the loop
+        current = self.link.control.epoch(event.session)
+        if event.kind not in UNPURGEABLE and epoch_older(event.epoch, current):
+            return
+        owner.on_stage_event(event)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """cleanup_ctx: attach to the rings before serving; close every call, then the link."""

@@ -84,6 +84,12 @@ class GatewayMetrics:
             registry=r,
         )
         self.barge_ins = Counter("omni_barge_ins", "Agent replies cut by the caller", registry=r)
+        self.voice_ahead = Counter(
+            "omni_voice_ahead_of_reply",
+            "Vocoder records (phrases, audio) that reached the gateway before their reply's "
+            "start and were kept for it",
+            registry=r,
+        )
         self.vad_events = Counter(
             "omni_vad_events", "Speech starts and stops", ["event"], registry=r
         )

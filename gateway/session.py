@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 FRAME_SAMPLES_16K = 320  # 20 ms at 16 kHz
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # input_audio_buffer.append carries up to 15 MiB of base64
 MANUAL_BUFFER_S = 120  # audio held for a manual commit, at most
+VOICE_AHEAD_MAX = 600  # vocoder records kept for a reply whose start has not come (~60 s)
 
 
 class CallLog(logging.LoggerAdapter):
@@ -171,6 +172,14 @@ class RealtimeSession:
         self._metadata: dict[str, dict[str, Any] | None] = {}  # response.create's, by id
         # what each recent assistant audio item said when, for conversation.item.truncate
         self._trackers: collections.OrderedDict[str, SpokenTracker] = collections.OrderedDict()
+        # The vocoder's records come on their own ring and reasoning's on another, whose
+        # reader threads race: a reply's first phrase and audio can reach the loop before its
+        # RESPONSE_STARTED (a reply made at the caller's pause is released with both at once).
+        # Audio names no reply; the vocoder's last PHRASE says whose it is (`_voiced`), and
+        # records of a reply not yet started wait in `_voice_ahead` for its start.
+        self._started: collections.deque[str] = collections.deque(maxlen=32)
+        self._voiced: str | None = None
+        self._voice_ahead: list[StageEvent] = []
         self.manual_audio: list[np.ndarray] = []
         self.manual_samples = 0
         self._partial_frame = np.zeros(0, np.int16)
@@ -401,10 +410,15 @@ class RealtimeSession:
 
     # -- barge-in and cancel: the one place ------------------------------------------------
 
-    def interrupt(self, reason: str, heard_samples: int | None = None) -> None:
+    def interrupt(
+        self, reason: str, heard_samples: int | None = None, *, purge: bool = True
+    ) -> None:
         """Stop the agent now: drop queued audio, purge every stage, ask each to ack.
         `heard_samples` (at the vocoder's rate) overrides what the transport says was
-        played, for a client that reports it (conversation.item.truncate)."""
+        played, for a client that reports it (conversation.item.truncate). `purge` False:
+        the stages have moved on by themselves (a reply they started supersedes this one), so
+        playback stops and the client is told, but nothing is cancelled: a cancel would purge
+        the new reply as well."""
         response = self.response
         if response is None or self.transport is None:
             return
@@ -414,9 +428,11 @@ class RealtimeSession:
         if heard_samples is None:
             heard_samples = self.transport.heard_samples(response)
         heard = response.tracker.heard(heard_samples) if response.audio else response.text
-        cancel_id, t = self.link.cancel(self.session, response.response_id, heard, reason)
-        self.cancels[cancel_id] = t
-        self.pending_cancels[cancel_id] = PendingCancel(response.response_id, t)
+        if purge:
+            cancel_id, t = self.link.cancel(self.session, response.response_id, heard, reason)
+            self._voice_ahead.clear()  # of the epoch just cancelled: its reply never starts
+            self.cancels[cancel_id] = t
+            self.pending_cancels[cancel_id] = PendingCancel(response.response_id, t)
         if reason == "barge_in":
             self.metrics.barge_ins.inc()
         if self.transport.kind == "webrtc" and response.audio:
@@ -450,12 +466,19 @@ class RealtimeSession:
         if self.closed.is_set():
             return
         m, kind = event.msg, event.kind
+        if kind in (Kind.PHRASE, Kind.AUDIO_OUT, Kind.AUDIO_DONE) and self._ahead_of_start(event):
+            return
         if kind is Kind.AUDIO_OUT:
             self._agent_audio(event)
         elif kind is Kind.TRANSCRIPT:
             self._transcript(m.turn_id, m.text, m.final)
         elif kind is Kind.RESPONSE_STARTED:
             self._response_started(m.response_id, m.audio, event.t_ns)
+            self._started.append(m.response_id)
+            ahead, self._voice_ahead = self._voice_ahead, []
+            if ahead and self._voiced == m.response_id:
+                for early in ahead:
+                    self.on_stage_event(early)
         elif kind is Kind.TEXT_DELTA:
             if self._current(m.response_id):
                 self._text_delta(self.response, m.text)
@@ -473,6 +496,21 @@ class RealtimeSession:
         elif kind is Kind.ERROR:
             self.metrics.stage_errors.labels(m.stage).inc()
             self.send(ev.error(f"{m.stage}: {m.message}", code=m.code, type_="server_error"))
+
+    def _ahead_of_start(self, event: StageEvent) -> bool:
+        """Keep a vocoder record whose reply has not started here yet; True when kept."""
+        if event.kind is not Kind.AUDIO_OUT:
+            reply = event.msg.response_id  # a PHRASE or AUDIO_DONE names its reply
+            if reply != self._voiced:
+                self._voiced, self._voice_ahead = reply, []  # a reply never started is let go
+        if self._voiced is None or self._voiced in self._started:
+            return False
+        if len(self._voice_ahead) >= VOICE_AHEAD_MAX:
+            self.log.warning("reply %s never started; its audio is dropped", self._voiced)
+            self._voice_ahead.clear()
+        self._voice_ahead.append(event)
+        self.metrics.voice_ahead.inc()
+        return True
 
     def _current(self, response_id: str) -> bool:
         return self.response is not None and self.response.response_id == response_id
@@ -513,8 +551,8 @@ class RealtimeSession:
             )
 
     def _response_started(self, response_id: str, audio: bool, t_ns: int) -> None:
-        if self.response is not None:
-            self.interrupt("superseded")
+        if self.response is not None:  # the stages stopped it for this one already
+            self.interrupt("superseded", purge=False)
         metadata = self._metadata.pop(response_id, None)
         item = Item(
             ev.new_id("item"),
@@ -657,6 +695,8 @@ class RealtimeSession:
         response = self.response
         if response is None or not response.audio or self.transport is None:
             return  # a reply that was cut: its stragglers are dropped
+        if self._voiced is not None and self._voiced != response.response_id:
+            return  # the rest of a reply this one superseded
         pcm = np.frombuffer(event.msg, dtype=np.int16)
         response.tracker.audio(len(pcm))
         if not response.first_audio_ns:
@@ -857,6 +897,8 @@ class RealtimeSession:
         self._create_response(params, event_id)
 
     def _create_response(self, params: ResponseParams, event_id: str | None) -> None:
+        # a reply still playing stops first, so that its cancel precedes the new reply
+        self.interrupt("superseded")
         response_id = ev.new_id("resp")
         self._metadata[response_id] = params.metadata
         self.link.create_response(

@@ -6,7 +6,7 @@ every ring at once. shm imports nothing else of the project.
 """
 
 from shm._ring import PeerDiedError, RecordTooLargeError, RingError, SegmentError
-from shm.control import Control
+from shm.control import Control, epoch_older
 from shm.ring import FLAG_NO_PURGE, HEADER_SIZE, Record, RecordView, Ring
 from shm.segments import list_segments, reap_stale, segment_name
 
@@ -21,6 +21,7 @@ __all__ = [
     "Ring",
     "RingError",
     "SegmentError",
+    "epoch_older",
     "list_segments",
     "reap_stale",
     "segment_name",

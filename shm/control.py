@@ -8,6 +8,11 @@ from shm import _ring
 from shm.segments import normalize, reap_if_stale, track_owned
 
 
+def epoch_older(a: int, b: int) -> bool:
+    """Whether epoch `a` comes before epoch `b`: 32-bit and wrap-safe, as the rings compare."""
+    return (a - b) % (1 << 32) >= 1 << 31
+
+
 class Control:
     """Per-session epochs. `cancel(session)` makes every queued record of the session stale.
 

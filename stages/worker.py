@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from shm import PeerDiedError, Record
+from shm import PeerDiedError, Record, epoch_older
 from stages import placement
 from stages.config import PipelineConfig
 from stages.messages import BadRecord, CancelAck, Error, Kind, Msg, decode
@@ -57,11 +57,6 @@ class Inbound:
     epoch: int
     t_ns: int
     msg: Any  # a messages.Msg, or bytes for audio
-
-
-def epoch_older(a: int, b: int) -> bool:
-    """Whether epoch `a` comes before epoch `b` (32-bit and wrap-safe, as the ring compares)."""
-    return (a - b) % (1 << 32) >= 1 << 31
 
 
 def ends_state(item: Inbound, epoch: int) -> bool:

@@ -22,6 +22,10 @@ class RecordingLink:
     def __getattr__(self, name: str) -> Any:
         return lambda *args, **kwargs: self.calls.append((name, args)) or 0
 
+    def cancel(self, *args: Any) -> tuple[int, int]:
+        self.calls.append(("cancel", args))
+        return len(self.calls), 0  # (cancel id, when it was sent)
+
 
 class RecordingTransport:
     kind = "websocket"
@@ -29,11 +33,14 @@ class RecordingTransport:
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.holds: list[bool] = []
+        self.played: list[tuple[str, int]] = []  # (response id, samples)
 
     def send_event(self, event: dict[str, Any]) -> None:
         self.events.append(event)
 
-    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None: ...
+    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None:
+        self.played.append((response.response_id, len(pcm)))
+
     def finish(self, response: ActiveResponse) -> None: ...
     def clear(self) -> None: ...
     def hold(self, held: bool) -> None:
@@ -137,3 +144,93 @@ def test_a_reply_whose_audio_ends_before_its_text_arrives_is_finished_once_with_
     assert done["response"]["status"] == "completed"
     (content,) = done["response"]["output"][0]["content"]
     assert content["transcript"] == "Sunny today."
+
+
+class Bound:
+    """A session bound to a recording transport and link, fed stage events by `stage`."""
+
+    def __init__(self) -> None:
+        self.link, self.transport = RecordingLink(), RecordingTransport()
+        self.metrics = GatewayMetrics()
+        self.session = RealtimeSession(
+            "sess_b", self.link, 1, 22050, self.metrics, SessionConfig(voice="v"), print
+        )
+        self.session.bind(self.transport)
+
+    def stage(self, name: str, kind: Kind, msg: Any) -> None:
+        self.session.on_stage_event(StageEvent(name, 1, kind, 0, 0, 0, msg))
+
+    def audio(self, samples: int) -> None:
+        self.stage("vocoder", Kind.AUDIO_OUT, np.ones(samples, np.int16).tobytes())
+
+
+def test_a_replys_voice_that_comes_before_its_start_is_kept_for_it() -> None:
+    """The vocoder's ring and reasoning's race to the loop: a reply released at the end of the
+    turn sends its start and its first audio at once, and the audio may be read first."""
+    from stages.messages import AudioDone, Phrase, ResponseDone, ResponseStarted
+
+    b = Bound()
+    b.stage("vocoder", Kind.PHRASE, Phrase("resp_1", "Sure, it", 22050, 0))
+    b.audio(2205)
+    b.audio(1000)
+    assert b.transport.played == [] and not b.transport.events[1:]  # nothing before its start
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    assert b.transport.played == [("resp_1", 2205), ("resp_1", 1000)]
+    assert b.session.response.tracker.heard(3205) == "Sure, it"
+    assert b.metrics.voice_ahead._value.get() == 3
+    types = [e["type"] for e in b.transport.events]
+    assert types.index("response.created") < types.index("omni.response.first_audio")
+
+    # the next reply's voice comes first too
+    b.stage("vocoder", Kind.AUDIO_DONE, AudioDone("resp_1", "completed"))
+    b.stage("reasoning", Kind.RESPONSE_DONE, ResponseDone("resp_1", "completed", "Sure, it"))
+    b.session.playback_done("resp_1")
+    b.stage("vocoder", Kind.PHRASE, Phrase("resp_2", "Yes.", 22050, 0))
+    b.audio(500)
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_2", 2))
+    assert b.transport.played[-1] == ("resp_2", 500)
+
+
+def test_a_cancel_lets_go_of_voice_kept_for_a_reply_not_yet_started() -> None:
+    from stages.messages import Phrase, ResponseStarted
+
+    b = Bound()
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    b.stage("vocoder", Kind.PHRASE, Phrase("resp_2", "Next", 22050, 0))
+    b.audio(800)
+    assert b.session._voice_ahead
+    b.session.interrupt("barge_in")
+    assert b.session._voice_ahead == []
+
+
+def test_a_reply_the_stages_start_over_one_still_playing_is_not_cancelled() -> None:
+    """The reasoning stage stops the old reply itself when it starts the next (a turn taken
+    while the agent still spoke, with interrupt_response off): the gateway stops playing the old
+    one but cancels nothing, which would purge the new reply too (same epoch)."""
+    from stages.messages import Phrase, ResponseStarted
+
+    b = Bound()
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    b.stage("vocoder", Kind.PHRASE, Phrase("resp_1", "One two", 22050, 0))
+    b.audio(800)
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_2", 2))
+    assert b.link.calls == []
+    assert b.session.response.response_id == "resp_2"
+    done = [e for e in b.transport.events if e["type"] == "response.done"]
+    assert [d["response"]["status"] for d in done] == ["cancelled"]  # resp_1, cut short
+    b.audio(800)  # what the vocoder still had of resp_1 is not played as resp_2's
+    assert b.transport.played == [("resp_1", 800)]
+
+
+def test_a_response_create_over_a_reply_still_playing_cancels_it_first() -> None:
+    from stages.messages import AudioDone, ResponseDone, ResponseStarted
+
+    b = Bound()
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    b.stage("reasoning", Kind.RESPONSE_DONE, ResponseDone("resp_1", "completed", "Hello."))
+    b.stage("vocoder", Kind.AUDIO_DONE, AudioDone("resp_1", "completed"))
+    assert b.session.response is not None  # generated, still playing
+    b.session.on_client_message('{"type": "response.create"}')
+    # the cancel goes first: the new reply is stamped with the epoch after it
+    assert [name for name, _ in b.link.calls] == ["cancel", "create_response"]
+    assert b.link.calls[0][1][1] == "resp_1"

@@ -1,0 +1,46 @@
+"""A gateway process's routing of stage events to its sessions, with stand-ins for the rings
+and the sessions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gateway.app import Gateway
+from gateway.config import load_config
+from stages.link import StageEvent
+from stages.messages import CancelAck, Kind, TextDelta
+from stages.rings import RingNames
+from tests.stages.stage_events import Epochs
+
+OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+
+
+class Link:
+    def __init__(self, epoch: int) -> None:
+        self.control = Epochs(epoch)
+
+
+class Owner:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def on_stage_event(self, event: StageEvent) -> None:
+        self.events.append(event.msg)
+
+
+def test_records_a_cancel_made_stale_on_their_way_to_the_loop_are_dropped() -> None:
+    """The ring drops records of a cancelled epoch; one popped just before the cancel is still
+    dropped when the loop comes to it, unless it is one that must always arrive (an ack)."""
+    gateway = Gateway(load_config(OFFLINE), RingNames.fresh(), 22050, lambda: True)
+    gateway.link = Link(epoch=4)  # type: ignore[assignment]
+    owner = gateway.by_session[3] = Owner()  # type: ignore[assignment]
+    stale, fresh = TextDelta("resp_1", "old", 0), TextDelta("resp_2", "new", 0)
+    ack = CancelAck(1, "vocoder", 0)
+    for epoch, kind, msg in [
+        (3, Kind.TEXT_DELTA, stale),
+        (3, Kind.CANCEL_ACK, ack),
+        (4, Kind.TEXT_DELTA, fresh),
+    ]:
+        gateway._route(StageEvent("reasoning", 3, kind, epoch, 0, 0, msg))
+    assert owner.events == [ack, fresh]
