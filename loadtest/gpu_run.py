@@ -217,7 +217,8 @@ def stage_milestones(seen: list[Seen]) -> dict[str, Any]:
         if s.kind is Kind.TRANSCRIPT and s.msg.final:
             c["finals"].append((s.msg.speech_stopped_ns, s.t_ns, s.msg.turn_id, s.msg.decode_ns))
         elif s.kind is Kind.RESPONSE_STARTED and s.stage == "reasoning":
-            c["responses"].setdefault(s.msg.response_id, {"deltas": []})["started"] = s.t_ns
+            r = c["responses"].setdefault(s.msg.response_id, {"deltas": []})
+            r["started"], r["started_at_gateway"] = s.t_ns, s.recv_ns
             c["by_turn"][s.msg.turn_id] = s.msg.response_id
         elif s.kind is Kind.TEXT_DELTA and s.stage == "reasoning":
             r = c["responses"].setdefault(s.msg.response_id, {"deltas": []})
@@ -228,6 +229,7 @@ def stage_milestones(seen: list[Seen]) -> dict[str, Any]:
             r = c["responses"].setdefault(s.msg.response_id, {"deltas": []})
             if "first_phrase" not in r:
                 r["first_phrase"], r["phrase_ready"] = s.t_ns, s.msg.ready_ns
+                r["first_phrase_at_gateway"] = s.recv_ns
             phrase_of[(s.call_id, s.session)] = s.msg.response_id
         elif s.kind is Kind.AUDIO_OUT:
             rid = phrase_of.get((s.call_id, s.session))
@@ -236,6 +238,20 @@ def stage_milestones(seen: list[Seen]) -> dict[str, Any]:
                 r["first_audio_chunk"] = s.t_ns
                 r["first_audio_at_gateway"] = s.recv_ns
     return calls
+
+
+def voice_before_start(seen: list[Seen]) -> dict[str, int]:
+    """How many replies' first phrase reached a gateway process's reader threads before the
+    reply's RESPONSE_STARTED did: the two come on different rings, and the gateway keeps such
+    a reply's voice until its start (gateway.session)."""
+    replies = [
+        r
+        for c in stage_milestones(seen).values()
+        for r in c["responses"].values()
+        if "started_at_gateway" in r and "first_phrase_at_gateway" in r
+    ]
+    early = sum(r["first_phrase_at_gateway"] < r["started_at_gateway"] for r in replies)
+    return {"replies_spoken": len(replies), "voice_first": early}
 
 
 def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str, float]]:
@@ -371,6 +387,7 @@ def load_figures(
             name: summary([t[name] for t in turns if name in t], *qs) for name, _, _ in HOPS
         },
         "barge_in_at_client_ms": summary(barge, *qs),
+        "voice_before_start": voice_before_start(seen),
         "cancel_ms": {k: summary(v, 50, 99) for k, v in sorted(cancels.items())},
         "inter_token_ms_during_calls": summary(inter_token_ms(seen), 50, 99),
     }

@@ -4,6 +4,7 @@ intervals. No GPU and no model: records are made up with known times."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,6 +28,7 @@ from loadtest.gpu_run import (
     parse_setting,
     sessions_of_first_gateway,
     turn_hops,
+    voice_before_start,
 )
 from stages.messages import CancelAck, Kind, Phrase, ResponseStarted, TextDelta, Transcript
 from stages.placement import PlacementError, plan
@@ -137,6 +139,17 @@ def test_load_figures_subtract_the_vad_window_and_time_tokens() -> None:
     assert figures["overhead_by_hop_ms"]["playout"]["p50"] == 200
     assert figures["inter_token_ms_during_calls"]["n"] == 2
     assert figures["turns_answered"] == figures["turns_asked"] == 1
+    assert figures["voice_before_start"] == {"replies_spoken": 1, "voice_first": 0}
+
+
+def test_a_phrase_read_before_its_replys_start_is_counted() -> None:
+    records = one_turn()[1]
+    # the reply's start read by its reader thread after the vocoder's first phrase was
+    started = next(r for r in records if r.kind is Kind.RESPONSE_STARTED)
+    records.remove(started)
+    records.append(dataclasses.replace(started, recv_ns=int(1601 * MS)))
+    records.sort(key=lambda r: r.recv_ns)
+    assert voice_before_start(records) == {"replies_spoken": 1, "voice_first": 1}
 
 
 def test_cancel_latency_is_to_the_last_of_three_acks() -> None:
