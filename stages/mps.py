@@ -20,9 +20,10 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from stages.rundir import owned_folder
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +46,6 @@ def thread_share_env(percent: int | None) -> dict[str, str]:
 
 class MpsError(RuntimeError):
     """The MPS control daemon could not be started (the message says why)."""
-
-
-def _reap_orphans() -> None:
-    """Remove the folders of daemons whose supervisor was killed (the daemon died with it)."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
-        pid = folder.name.removeprefix(PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _die_with_parent() -> None:  # in the child, between fork and exec
@@ -84,8 +77,7 @@ class MpsDaemon:
                 f"gpu_sharing is 'mps' but {control} is not on PATH (it comes with the NVIDIA "
                 "driver); install it or set gpu_sharing: time-slice"
             )
-        _reap_orphans()
-        folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+        folder = owned_folder(PREFIX)
         (folder / "pipe").mkdir()
         (folder / "log").mkdir()
         env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe")}

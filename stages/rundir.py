@@ -1,0 +1,33 @@
+"""Private temporary folders that belong to one supervisor process.
+
+Some of what the stages run leaves files behind: vLLM creates a ZMQ socket in the system's
+temporary folder for each engine it starts and never removes it, so every start of the service
+left a few more in /tmp. The supervisor points such things at a folder of its own, named after
+its pid, which it removes at stop; a folder whose supervisor was killed is removed by the next
+one to start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def owned_folder(prefix: str) -> Path:
+    """A new folder `<tmp>/<prefix><pid>-<random>` of this process; removes those of dead
+    owners first."""
+    reap_orphans(prefix)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+
+
+def reap_orphans(prefix: str) -> list[Path]:
+    """Remove the folders of `prefix` whose owner process is gone; returns them."""
+    reaped = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        pid = folder.name.removeprefix(prefix).split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            reaped.append(folder)
+    return reaped
