@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -88,8 +87,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     # be told of before it is first imported, here and in the processes spawned
     if "prometheus_client" in sys.modules:
         raise RuntimeError("prometheus_client was imported before the metrics folder was set")
-    with tempfile.TemporaryDirectory(prefix="omni-gateway-metrics-") as metrics_dir:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    from stages.rundir import owned_temporary
+
+    with owned_temporary("omni-gateway-metrics-") as metrics_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         return _start(args, config)
 
 

@@ -10,7 +10,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -25,6 +24,7 @@ from gateway.page import add_page_routes
 from gateway.pool import GatewayPool, GatewayProcessSpec
 from gateway.siblings import socket_path
 from stages.rings import GATEWAY
+from stages.rundir import owned_temporary
 from stages.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ async def gateway_processes(
         )
     prepare_media(config)
     signing_key = secrets.token_bytes(32)
-    with tempfile.TemporaryDirectory(prefix="omni-gateway-") as socket_dir:
+    with owned_temporary("omni-gateway-") as socket_dir:
         app = build_app(
             config, supervisor, instance=GATEWAY, socket_dir=socket_dir, signing_key=signing_key
         )
@@ -121,7 +121,7 @@ async def gateway_processes(
                         bound.model_dump(),
                         supervisor.names,
                         vocoder_rate(supervisor),
-                        socket_dir,
+                        str(socket_dir),
                         signing_key,
                         logging.getLogger().level,
                     )

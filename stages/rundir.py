@@ -4,14 +4,16 @@ Some of what the stages run leaves files behind: vLLM creates a ZMQ socket in th
 temporary folder for each engine it starts and never removes it, so every start of the service
 left a few more in /tmp. The supervisor points such things at a folder of its own, named after
 its pid, which it removes at stop; a folder whose supervisor was killed is removed by the next
-one to start.
+one to start. The gateway keeps its processes' sockets and metrics files the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -20,6 +22,16 @@ def owned_folder(prefix: str) -> Path:
     owners first."""
     reap_orphans(prefix)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+
+
+@contextlib.contextmanager
+def owned_temporary(prefix: str) -> Iterator[Path]:
+    """An `owned_folder`, removed with what it holds when the block ends."""
+    folder = owned_folder(prefix)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def reap_orphans(prefix: str) -> list[Path]:

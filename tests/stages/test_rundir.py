@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stages.rundir import owned_folder, reap_orphans
+from stages.rundir import owned_folder, owned_temporary, reap_orphans
 
 PREFIX = "omni-test-run-"
 
@@ -31,3 +31,9 @@ def test_a_folder_whose_owner_died_is_removed_at_the_next_start() -> None:
         assert mine.exists()
     finally:
         mine.rmdir()
+
+
+def test_a_temporary_owned_folder_goes_with_what_it_holds() -> None:
+    with owned_temporary(PREFIX) as folder:
+        (folder / "gateway.1.sock").touch()
+    assert not folder.exists()
