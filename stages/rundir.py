@@ -1,4 +1,4 @@
-"""Private temporary folders that belong to one supervisor process.
+"""Private temporary folders that belong to one process: the supervisor's, a gateway's.
 
 Some of what the stages run leaves files behind: vLLM creates a ZMQ socket in the system's
 temporary folder for each engine it starts and never removes it, so every start of the service
