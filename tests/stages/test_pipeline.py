@@ -255,6 +255,14 @@ def _replies(result) -> list[str]:
     return [ev.msg.response_id for ev in result.events if ev.kind is Kind.RESPONSE_STARTED]
 
 
+def _spoken_from_the_start(result) -> bool:
+    """The phrases spoken are the reply's text from its start. Compared without whitespace: a
+    phrase may end inside a long word (stages.phrases.CHARS_PER_WORD), and the tiny model's
+    random tokens make such words."""
+    spoken = "".join("".join(e.msg.text.split()) for e in result.events if e.kind is Kind.PHRASE)
+    return bool(spoken) and "".join(result.reply_text.split()).startswith(spoken)
+
+
 def test_reply_started_at_a_pause_is_the_turns_reply_when_it_ends(
     link: PipelineLink, events: EventQueues, make_speech
 ) -> None:
@@ -273,8 +281,7 @@ def test_reply_started_at_a_pause_is_the_turns_reply_when_it_ends(
     assert prepared.reply_text and prepared.audio
     (final,) = [e.msg for e in prepared.events if e.kind is Kind.TRANSCRIPT and e.msg.final]
     assert not final.speculative  # the gateway never sees the early one as such
-    spoken = " ".join(e.msg.text for e in prepared.events if e.kind is Kind.PHRASE).split()
-    assert spoken and spoken == prepared.reply_text.split()[: len(spoken)]
+    assert _spoken_from_the_start(prepared)
 
 
 def test_reply_started_at_a_pause_is_dropped_when_the_caller_goes_on(
@@ -302,5 +309,4 @@ def test_reply_started_at_a_pause_is_dropped_when_the_caller_goes_on(
     assert resumed.reply_text and resumed.audio
     # the early reply's audio, made while it was held, was dropped: what is heard is the
     # final reply's
-    spoken = " ".join(e.msg.text for e in resumed.events if e.kind is Kind.PHRASE).split()
-    assert spoken and spoken == resumed.reply_text.split()[: len(spoken)]
+    assert _spoken_from_the_start(resumed)
