@@ -184,7 +184,9 @@ class ReasoningStage(Stage):
             loop.run_until_complete(self._run_until_stopped())
         finally:
             try:
-                self.engine.shutdown()
+                # on the loop: vLLM closes its sockets there, and only when its loop runs (else
+                # the shutdown waited for them until the supervisor killed the stage, 15 s)
+                loop.run_until_complete(self._shutdown_engine())
                 # let vLLM's output handler and our tasks see their cancellation before the
                 # loop goes away
                 pending = asyncio.all_tasks(loop)
@@ -193,6 +195,9 @@ class ReasoningStage(Stage):
                 loop.run_until_complete(_settle(pending))
             finally:
                 loop.close()
+
+    async def _shutdown_engine(self) -> None:
+        self.engine.shutdown()  # blocks the loop for its few seconds: nothing else is served
 
     async def _run_until_stopped(self) -> None:
         stopped = asyncio.Event()

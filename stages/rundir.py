@@ -1,10 +1,9 @@
-"""Private temporary folders that belong to one process: the supervisor's, a gateway's.
+"""Private temporary folders that belong to one process.
 
-Some of what the stages run leaves files behind: vLLM creates a ZMQ socket in the system's
-temporary folder for each engine it starts and never removes it, so every start of the service
-left a few more in /tmp. The supervisor points such things at a folder of its own, named after
-its pid, which it removes at stop; a folder whose supervisor was killed is removed by the next
-one to start. The gateway keeps its processes' sockets and metrics files the same way.
+Named `<prefix><pid>-<random>` in the system's temporary folder, each is removed by its owner
+when done and, if the owner was killed first, by the next process to make one of the same
+prefix. vLLM's sockets (stages.backends.llm_vllm), the MPS daemon's pipes (stages.mps) and the
+gateway processes' sockets and metrics files (gateway) are kept in such folders.
 """
 
 from __future__ import annotations

@@ -11,13 +11,11 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from shm import reap_stale
@@ -26,7 +24,6 @@ from stages.messages import Error, SessionClose
 from stages.mps import MpsDaemon, thread_share_env
 from stages.placement import StagePlacement, plan, wants_gpus
 from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet, role_of
-from stages.rundir import owned_folder
 from stages.worker import StageSpec, stage_main
 
 logger = logging.getLogger(__name__)
@@ -70,9 +67,6 @@ def terminate(procs: list[Any], timeout_s: float) -> None:
             p.join(5)
 
 
-RUN_DIR_PREFIX = "omni-run-"  # then the supervisor's pid (stages.rundir)
-
-
 class Supervisor:
     """Runs the encoder, reasoning and vocoder stages of one pipeline.
 
@@ -101,8 +95,6 @@ class Supervisor:
         self.stages = {name: StageProcess(name) for name in self.names.stages}
         self.placements: dict[str, StagePlacement] = {}
         self.mps: MpsDaemon | None = None
-        # what the stages' libraries leave on disk goes here (vLLM's sockets), removed at stop
-        self.run_dir: Path | None = None
         self.on_restart = on_restart
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -121,7 +113,6 @@ class Supervisor:
             progress(f"reaped {len(reaped)} shared-memory segments left by a dead process")
         self.rings = RingSet(self.names, self.config)
         try:
-            self.run_dir = owned_folder(RUN_DIR_PREFIX)
             if self.config.gpu_sharing == "mps":
                 self._start_mps(progress)
             for stage in self.stages.values():
@@ -154,15 +145,12 @@ class Supervisor:
 
     def _spawn(self, stage: StageProcess) -> None:
         parent, child = _ctx.Pipe(duplex=False)
-        env = dict(self.placements[role_of(stage.name)].env)
-        if self.run_dir is not None:
-            env["VLLM_RPC_BASE_PATH"] = str(self.run_dir)  # else a few sockets a start in /tmp
         spec = StageSpec(
             stage.name,
             self.names,
             self.config.model_dump(include=set(PipelineConfig.model_fields)),
             self.log_level,
-            env,
+            self.placements[role_of(stage.name)].env,
         )
         stage.process = _ctx.Process(
             target=stage_main, args=(spec, child), name=f"omni-{stage.name}", daemon=False
@@ -325,9 +313,6 @@ class Supervisor:
         if self.mps is not None:  # after the stages: their contexts go first
             self.mps.stop()
             self.mps = None
-        if self.run_dir is not None:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            self.run_dir = None
 
     def __enter__(self) -> Supervisor:
         return self

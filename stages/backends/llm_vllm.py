@@ -14,13 +14,16 @@ import dataclasses
 import difflib
 import functools
 import logging
+import os
+import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from stages.backends.tiny_chat_model import has_random_weights
+from stages.rundir import owned_folder
 
 # vLLM is imported lazily (importing it takes ~10 s) and, the first time, in a thread of its own:
 # see _import_vllm.
@@ -229,6 +232,28 @@ def build_sampling_params(sampling: Mapping[str, Any]) -> SamplingParams:
         raise EngineConfigError(f"bad sampling parameters {params!r}: {exc}") from exc
 
 
+SOCKETS_PREFIX = "omni-vllm-"  # then the engine's process id (stages.rundir)
+
+
+@contextlib.contextmanager
+def _sockets_in(folder: Path) -> Iterator[None]:
+    """Have vLLM make its ZMQ sockets in ``folder`` while it starts.
+
+    vLLM names them under VLLM_RPC_BASE_PATH (the system's temporary folder by default) as its
+    engine starts, and never removes them: every start left a few more in /tmp. The engine core
+    process inherits the setting as it is spawned.
+    """
+    name, before = "VLLM_RPC_BASE_PATH", os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ[name] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 class ReasoningEngine:
     """A vLLM ``AsyncLLM`` that streams chat replies as text deltas. Create with ``start()``."""
 
@@ -238,12 +263,16 @@ class ReasoningEngine:
         model: str,
         sampling: Mapping[str, Any],
         kv_monitor: _KvUsageMonitor,
+        socket_dir: Path | None = None,
     ) -> None:
         self._llm: AsyncLLM | None = llm
         self.model = model
         self._sampling = dict(sampling)
         self._default_params = build_sampling_params(self._sampling)
         self._kv = kv_monitor
+        # vLLM's sockets: removed at shutdown, or at the next start in this machine if the
+        # process was killed
+        self.socket_dir = socket_dir
 
     @classmethod
     async def start(
@@ -269,17 +298,20 @@ class ReasoningEngine:
         args = build_engine_args(resolved, engine_args or {})
         monitor = _KvUsageMonitor()
 
+        socket_dir = owned_folder(SOCKETS_PREFIX)
+
         def create() -> AsyncLLM:
             try:
                 config = args.create_engine_config()
             except Exception as exc:
                 raise _config_error(resolved, exc) from exc
             try:
-                return AsyncLLM.from_vllm_config(
-                    config,
-                    stat_loggers=[functools.partial(_kv_stat_logger_class(), monitor=monitor)],
-                    disable_log_stats=False,
-                )
+                with _sockets_in(socket_dir):
+                    return AsyncLLM.from_vllm_config(
+                        config,
+                        stat_loggers=[functools.partial(_kv_stat_logger_class(), monitor=monitor)],
+                        disable_log_stats=False,
+                    )
             except Exception as exc:
                 # The engine core process logs the root cause; its failure reaches us only as
                 # "Engine core initialization failed".
@@ -289,9 +321,13 @@ class ReasoningEngine:
                 ) from exc
 
         started = time.monotonic()
-        llm = await _run_in_thread(create, name="vllm-start")
+        try:
+            llm = await _run_in_thread(create, name="vllm-start")
+        except BaseException:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
         logger.info("vLLM engine on %s ready in %.1f s", resolved, time.monotonic() - started)
-        return cls(llm, resolved, sampling, monitor)
+        return cls(llm, resolved, sampling, monitor, socket_dir)
 
     async def generate(
         self,
@@ -407,8 +443,12 @@ class ReasoningEngine:
         if llm is None:
             return
         llm.shutdown(timeout=timeout)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         # vLLM closes its client sockets but never terminates their ZMQ context: left to the
         # garbage collector, it keeps two I/O threads until then and warns (ResourceWarning).
+        # (vLLM closes its asyncio sockets on their event loop: called from outside a running
+        # loop, they stay open and this waits for them for ever.)
         resources = getattr(llm.engine_core, "resources", None)
         context = getattr(resources, "ctx", None)
         if context is not None and not context.closed:

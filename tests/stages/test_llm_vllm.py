@@ -51,11 +51,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model: Path) -> AsyncIterator[ReasoningEngine]:
+    """The module's engine; vLLM's sockets are in the engine's own folder, gone at shutdown."""
     started = time.monotonic()
     engine = await ReasoningEngine.start(str(tiny_model), ENGINE_ARGS, SAMPLING)
     print(f"\nvLLM start-up: {time.monotonic() - started:.1f} s")
+    assert engine.socket_dir is not None
+    assert any(p.is_socket() for p in engine.socket_dir.iterdir())
     yield engine
     engine.shutdown()
+    assert not engine.socket_dir.exists()
 
 
 async def _assert_idle(engine: ReasoningEngine) -> None:
