@@ -433,7 +433,8 @@ class ReasoningEngine:
         return 0 if self._llm is None else self._llm.get_num_unfinished_requests()
 
     def shutdown(self, timeout: float = 15.0) -> None:
-        """Stop the engine's processes (about 5 s on the CPU). Safe to call twice.
+        """Stop the engine's processes (about 5 s on the CPU). Safe to call twice. Call it on
+        the event loop the engine runs on, while that loop runs (see the end of this method).
 
         ``timeout`` bounds the wait for the engine core to exit before it is killed. vLLM's own
         default (5 s) is shorter than the CPU engine core takes to stop its worker (4-5 s), so it
