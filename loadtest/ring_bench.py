@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.rounds <= args.latency_count:
         parser.error(f"--rounds must be between 1 and --latency-count, not {args.rounds}")
 
-    per_round = [len(part) for part in np.array_split(np.arange(args.latency_count), args.rounds)]
+    share, extra = divmod(args.latency_count, args.rounds)
+    per_round = [share + (k < extra) for k in range(args.rounds)]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="ring-bench-") as tmpdir:
         for k, count in enumerate(per_round, 1):

@@ -233,6 +233,7 @@ def build_sampling_params(sampling: Mapping[str, Any]) -> SamplingParams:
 
 
 SOCKETS_PREFIX = "omni-vllm-"  # then the engine's process id (stages.rundir)
+_SOCKETS_ENV = "VLLM_RPC_BASE_PATH"
 
 
 @contextlib.contextmanager
@@ -243,15 +244,15 @@ def _sockets_in(folder: Path) -> Iterator[None]:
     engine starts, and never removes them: every start left a few more in /tmp. The engine core
     process inherits the setting as it is spawned.
     """
-    name, before = "VLLM_RPC_BASE_PATH", os.environ.get("VLLM_RPC_BASE_PATH")
-    os.environ[name] = str(folder)
+    before = os.environ.get(_SOCKETS_ENV)
+    os.environ[_SOCKETS_ENV] = str(folder)
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(name, None)
+            os.environ.pop(_SOCKETS_ENV, None)
         else:
-            os.environ[name] = before
+            os.environ[_SOCKETS_ENV] = before
 
 
 class ReasoningEngine:
