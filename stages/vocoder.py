@@ -11,14 +11,16 @@ before the CANCEL record is even read. `vocoder.replicas` runs several of these 
 
 A reply started at the caller's pause (gateway.prepare_reply_ms) is spoken while the caller's
 silence is still being waited out, and what it makes is kept back: when the turn ends as it
-was, reasoning's RESPONSE_RELEASE sends it all at once and the caller hears the reply without
-waiting for its first phrase to be synthesized; when the caller goes on, it is dropped.
+was, reasoning's RESPONSE_RELEASE sends it all at once (from the reader thread, not after the
+decoder pass in progress) and the caller hears the reply without waiting for its first phrase
+to be synthesized; when the caller goes on, it is dropped.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +113,7 @@ class VocoderStage(QueuedStage):
         t0 = time.monotonic()
         self.voice = load_voice(self.config.vocoder)
         self.replies: dict[int, Reply] = {}
+        self._held_lock = threading.Lock()  # a held reply's records: the loop's and a release's
         self.batching: BatchingVoice | None = (
             self.voice if hasattr(self.voice, "advance") else None  # type: ignore[assignment]
         )
@@ -131,6 +134,14 @@ class VocoderStage(QueuedStage):
             # gateway's ring drops a piece pushed in between, so from here on nothing of the
             # cancelled reply leaves the stage; the model loop drops its state next.
             self.ack(item.session, item.msg.cancel_id)
+        elif item.kind is Kind.RESPONSE_RELEASE and item.msg.keep and not self.is_stale(item):
+            # Sent here too, on the reader thread: the model loop reads it only after the
+            # decoder pass in progress (tens of ms at 8 callers), and the caller's first audio
+            # would wait for it. A reply whose start the loop has not handled yet is released
+            # there; one released here is not released twice (`held` is None then).
+            reply = self._reply_for(item)
+            if reply is not None:
+                self._release(item.session, reply)
         super().deliver(item)
 
     def handle(self, item: Inbound) -> None:
@@ -177,20 +188,30 @@ class VocoderStage(QueuedStage):
         super().close()
 
     def _release(self, session: int, reply: Reply) -> None:
-        """Send what a held reply made, in order; from now on it is paced as it plays."""
-        held, reply.held = reply.held or [], None
-        if reply.samples:
-            reply.started = time.monotonic()
-        for record in held:
-            if not self._to_gateway(session, reply, record):
-                return  # cancelled meanwhile: the CANCEL in the inbox drops the reply
+        """Send what a held reply made, in order; from now on it is paced as it plays.
+
+        Called on a reader thread or the model loop: under `_held_lock`, so the loop's next
+        record for the reply is either kept back and sent here, or sent after all of these."""
+        with self._held_lock:
+            held, reply.held = reply.held, None
+            if held is None:
+                return  # released already, or never held
+            if reply.samples:
+                reply.started = time.monotonic()
+            for record in held:
+                if not self._send_now(session, reply, record):
+                    return  # cancelled meanwhile: the CANCEL in the inbox drops the reply
 
     def _to_gateway(self, session: int, reply: Reply, record: Msg | bytes) -> bool:
         """Send (or keep back, while the reply is held) a message or a piece of PCM16 audio;
         False once the session's epoch has moved past the reply."""
-        if reply.held is not None:
-            reply.held.append(record)
-            return True
+        with self._held_lock:
+            if reply.held is not None:
+                reply.held.append(record)
+                return True
+        return self._send_now(session, reply, record)
+
+    def _send_now(self, session: int, reply: Reply, record: Msg | bytes) -> bool:
         if self.control.epoch(session) != reply.epoch:
             return False
         if isinstance(record, bytes):

@@ -4,6 +4,7 @@ what would go to the gateway is noted."""
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import pytest
@@ -36,6 +37,7 @@ class Noted(VocoderStage):
         self.stop = threading.Event()
         self.control = Epochs(EPOCH)
         self.sent: list[object] = []
+        self.inbox, self._order = queue.PriorityQueue(), iter(range(10**9))  # QueuedStage's
         self.load()
 
     def send(self, dst: str, session: int, msg, *, epoch: int | None = None) -> None:
@@ -46,7 +48,7 @@ class Noted(VocoderStage):
         assert (session, epoch) == (SESSION, EPOCH)
         self.sent.append(pcm16)
 
-    def give(self, msg, epoch: int = EPOCH) -> None:
+    def inbound(self, msg, epoch: int = EPOCH) -> Inbound:
         kinds = {
             ResponseStarted: Kind.RESPONSE_STARTED,
             TextDelta: Kind.TEXT_DELTA,
@@ -57,7 +59,15 @@ class Noted(VocoderStage):
             Cancel: Kind.CANCEL,
         }
         src = "gateway" if isinstance(msg, SessionOpen | SessionClose | Cancel) else "reasoning"
-        self.handle(Inbound(src, kinds[type(msg)], SESSION, epoch, 0, msg))
+        return Inbound(src, kinds[type(msg)], SESSION, epoch, 0, msg)
+
+    def give(self, msg, epoch: int = EPOCH) -> None:
+        """Handled by the model loop."""
+        self.handle(self.inbound(msg, epoch))
+
+    def read(self, msg, epoch: int = EPOCH) -> None:
+        """Read by a reader thread: `deliver`, then the model loop handles what it queued."""
+        self.deliver(self.inbound(msg, epoch))
 
     def pump_until_idle(self) -> None:
         for _ in range(1000):  # a short reply: a few chunks
@@ -89,6 +99,53 @@ def test_a_held_reply_is_spoken_but_nothing_leaves_until_it_is_released(vocoder)
     phrases = [r.text for r in vocoder.sent if isinstance(r, Phrase)]
     assert " ".join(phrases) == "Sure, it is sunny today."
     assert SESSION not in vocoder.replies
+
+
+def test_a_release_is_sent_by_the_reader_not_after_the_loops_decoder_pass(vocoder) -> None:
+    made = list(vocoder.replies[SESSION].held)
+    vocoder.read(ResponseRelease(REPLY, keep=True))
+    assert vocoder.sent == made  # out before the model loop runs again
+
+    while not vocoder.inbox.empty():  # then the model loop's turn
+        vocoder.handle(vocoder.inbox.get_nowait()[2])
+    vocoder.pump_until_idle()
+    assert vocoder.sent[: len(made)] == made and vocoder.sent.count(made[0]) == 1
+    assert vocoder.sent[-1] == AudioDone(REPLY, "completed")
+
+
+def test_a_reader_releasing_while_the_loop_speaks_loses_and_reorders_nothing() -> None:
+    class Releasing(Noted):
+        """Notes every record in the order the model loop makes it, held or not."""
+
+        def __init__(self, max_lead_ms: int) -> None:
+            super().__init__(max_lead_ms)
+            self.made: list[object] = []
+            self.some_made = threading.Event()
+
+        def _to_gateway(self, session, reply, record) -> bool:
+            self.made.append(record)
+            if len(self.made) == 3:
+                self.some_made.set()
+            return super()._to_gateway(session, reply, record)
+
+    text = "one two three four five six seven eight nine ten eleven twelve thirteen. " * 3
+    stage = Releasing(max_lead_ms=600_000)
+    stage.give(ResponseStarted(REPLY, 1, held=True))
+    stage.give(TextDelta(REPLY, text, 0))
+    stage.give(ResponseDone(REPLY, "completed", text))
+    loop = threading.Thread(target=stage.pump_until_idle)
+    loop.start()
+    assert stage.some_made.wait(30)
+    stage.read(ResponseRelease(REPLY, keep=True))  # while the loop goes on speaking
+    loop.join(60)
+    assert not loop.is_alive()
+    stage.handle(stage.inbox.get_nowait()[2])
+    stage.pump_until_idle()
+
+    assert stage.sent == stage.made and len(stage.made) > 10
+    assert stage.sent[-1] == AudioDone(REPLY, "completed")
+    phrases = [r.text for r in stage.sent if isinstance(r, Phrase)]
+    assert " ".join(phrases) == text.strip()
 
 
 def test_a_held_reply_the_caller_talked_over_is_dropped_unheard(vocoder) -> None:
