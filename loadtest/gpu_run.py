@@ -349,9 +349,11 @@ def load_figures(
     seen: list[Seen],
     silence_ms: int,
     qs: tuple[float, ...] = (50, 95),
+    per_turn: bool = False,
 ) -> dict[str, Any]:
     """Turn latency and its hops, barge-in at the client (percentiles `qs`), cancel latency
-    per stage and inter-token latency (p50/p99) of one load."""
+    per stage and inter-token latency (p50/p99) of one load; with `per_turn`, every turn's
+    hops too (`turns`: a tail's turns, each with all its hops)."""
     turns = turn_hops(reports, seen)
     total = [t["turn"] for t in turns]
     barge = [
@@ -390,7 +392,7 @@ def load_figures(
         "voice_before_start": voice_before_start(seen),
         "cancel_ms": {k: summary(v, 50, 99) for k, v in sorted(cancels.items())},
         "inter_token_ms_during_calls": summary(inter_token_ms(seen), 50, 99),
-    }
+    } | ({"turns": [{k: round(v, 2) for k, v in t.items()} for t in turns]} if per_turn else {})
 
 
 # -- running a layout --------------------------------------------------------------------
@@ -572,7 +574,7 @@ async def _measure_loads(
         t0 = time.monotonic()
         try:
             reports = await run_callers(base, n, speech, turns, opus)
-            figures = load_figures(reports, records.since(mark), silence_ms)
+            figures = load_figures(reports, records.since(mark), silence_ms, per_turn=args.per_turn)
         except Exception as exc:  # the other loads still run; the failure is reported
             log(f"{n} callers failed: {type(exc).__name__}: {exc}")
             figures = {"error": f"{type(exc).__name__}: {exc}"}
@@ -580,7 +582,7 @@ async def _measure_loads(
         if isinstance(records, Traces):
             figures["records_by_gateway_process"] = dict(records.by_process)
         out["loads"][str(n)] = figures
-        log(f"{n} callers: {json.dumps(figures)}")
+        log(f"{n} callers: {json.dumps({k: v for k, v in figures.items() if k != 'turns'})}")
         await calls_gone(gateway)
     vocoder_pids = [  # every replica
         supervisor.stages[i].process.pid for i in supervisor.names.instances("vocoder")
@@ -997,6 +999,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="silence in the middle of the caller's question (e.g. 300: a reply prepared at "
         "the pause is dropped when the caller goes on); 0: none",
+    )
+    parser.add_argument(
+        "--per-turn",
+        action="store_true",
+        help="keep every turn's hops in results.json (`turns` of each load), not only percentiles",
     )
     parser.add_argument("--preset", default=None, help="model sizes (default: real on cuda)")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))

@@ -140,6 +140,10 @@ def test_load_figures_subtract_the_vad_window_and_time_tokens() -> None:
     assert figures["inter_token_ms_during_calls"]["n"] == 2
     assert figures["turns_answered"] == figures["turns_asked"] == 1
     assert figures["voice_before_start"] == {"replies_spoken": 1, "voice_first": 0}
+    assert "turns" not in figures  # percentiles only, unless asked
+
+    (turn,) = load_figures(*one_turn(), silence_ms=500, per_turn=True)["turns"]
+    assert turn["turn"] == 900 and turn["playout"] == 200
 
 
 def test_a_phrase_read_before_its_replys_start_is_counted() -> None:
