@@ -9,6 +9,7 @@ aborted request's blocks were freed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import difflib
@@ -62,6 +63,35 @@ class EngineDeadError(ReasoningEngineError):
     """The engine core process died while serving; the engine must be restarted."""
 
 
+class _AbortWaits:
+    """How each wait for an abort's freed KV blocks ended, as a log line every `every_s`.
+
+    `freed_first_step`: the first stats record after the cancel showed less usage (or an empty
+    scheduler); `freed_later_step`: a later one did (the first left the engine core before the
+    abort reached it); `hidden`: two records after the abort went out, usage had not fallen,
+    since other replies took as many new blocks; `timed_out`; `nothing_held`. An ack that
+    waited for a second step is one of `freed_later_step` and `hidden`."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self.totals: collections.Counter[str] = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._since = time.monotonic()
+
+    def add(self, how: str) -> None:
+        self.totals[how] += 1
+        self._counts[how] += 1
+        now = time.monotonic()
+        if now - self._since >= self.every_s:
+            logger.info(
+                "vLLM aborts in %.0f s, how their freed blocks were seen: %s",
+                now - self._since,
+                ", ".join(f"{how} {n}" for how, n in sorted(self._counts.items())),
+            )
+            self._counts.clear()
+            self._since = now
+
+
 class _KvUsageMonitor:
     """Latest KV-cache usage reported by the engine, with waiters for it to fall to idle.
 
@@ -75,6 +105,7 @@ class _KvUsageMonitor:
         self.requests = 0
         self.updated_at = 0.0
         self._changed: asyncio.Event | None = None
+        self.abort_waits = _AbortWaits()
 
     def update(self, usage: float, requests: int = 0) -> None:
         self.seq += 1
@@ -416,16 +447,20 @@ class ReasoningEngine:
         """
         kv, deadline = self._kv, time.monotonic() + timeout
         if usage_before == 0.0 and kv.requests == 0:
+            kv.abort_waits.add("nothing_held")
             return 0.0  # nothing was held, and an idle engine sends no stats to wait for
         sent_seq = seq_before if sent_seq is None else sent_seq
         while True:
             seen = kv.seq - seq_before
-            if kv.seq - sent_seq >= 2 or (
-                seen >= 1 and (kv.usage < usage_before or kv.requests == 0)
-            ):
+            if seen >= 1 and (kv.usage < usage_before or kv.requests == 0):
+                kv.abort_waits.add("freed_first_step" if seen == 1 else "freed_later_step")
+                return kv.usage
+            if kv.seq - sent_seq >= 2:
+                kv.abort_waits.add("hidden")
                 return kv.usage
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                kv.abort_waits.add("timed_out")
                 return kv.usage
             await kv.wait_seq(kv.seq + 1, remaining)
 

@@ -143,12 +143,15 @@ async def test_kv_usage_after_abort_with_another_stream_running(engine: Reasonin
         await anext(dropped)
     assert engine.kv_usage() == pytest.approx(2 / 15)
 
+    waits = engine._kv.abort_waits.totals
+    freed_before = waits["freed_first_step"] + waits["freed_later_step"]
     seq, before = engine.kv_stats_seq(), engine.kv_usage()
     aborted = time.monotonic()
     await engine.abort("dropped-1")
     usage = await engine.kv_usage_after_abort(seq, before)
     print(f"\nabort -> KV freed (one stream left) {(time.monotonic() - aborted) * 1e3:.2f} ms")
     assert usage == pytest.approx(1 / 15)  # the kept stream's one block
+    assert waits["freed_first_step"] + waits["freed_later_step"] == freed_before + 1
     assert [d async for d in dropped] == []
     await kept.aclose()
     await _assert_idle(engine)
@@ -274,4 +277,28 @@ def test_kv_usage_after_abort_does_not_count_records_made_before_the_abort_was_s
         kv.update(0.1, requests=1)  # the step after the abort reached the core
         return await asyncio.wait_for(waiting, 1.0)
 
-    assert asyncio.run(scenario()) == 0.1
+    assert asyncio.run(scenario()) == 0.1  # (seen at the 3rd record since the CANCEL)
+
+
+def test_an_abort_hidden_by_other_requests_growth_is_acked_after_a_second_step() -> None:
+    """Other replies may take as many new blocks in the step that frees the aborted one's:
+    the usage does not fall, and the wait ends at the second record after the abort."""
+    from stages.backends.llm_vllm import _KvUsageMonitor
+
+    async def scenario() -> tuple[float, dict[str, int]]:
+        engine = ReasoningEngine.__new__(ReasoningEngine)  # the KV monitor only, no vLLM
+        engine._kv = kv = _KvUsageMonitor()
+        kv.update(0.2, requests=8)
+        seq, before = kv.seq, kv.usage
+        waiting = asyncio.ensure_future(engine.kv_usage_after_abort(seq, before))
+        kv.update(0.25, requests=8)  # the aborted reply's blocks freed, others' new ones taken
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        kv.update(0.26, requests=8)
+        usage = await asyncio.wait_for(waiting, 1.0)
+        late = await engine.kv_usage_after_abort(kv.seq, kv.usage, timeout=0.01)
+        return usage + late, dict(kv.abort_waits.totals)
+
+    usage, waits = asyncio.run(scenario())
+    assert usage == pytest.approx(0.52)
+    assert waits == {"hidden": 1, "timed_out": 1}
