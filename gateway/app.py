@@ -35,7 +35,7 @@ from gateway.websocket import serve_websocket, websocket_response
 from shm import epoch_older
 from stages.link import PipelineLink, SessionsFull, StageEvent
 from stages.messages import Kind
-from stages.rings import GATEWAY, UNPURGEABLE, RingNames
+from stages.rings import GATEWAY, RingNames, survives_cancel
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Gateway:
             return
         # the ring drops what a cancel made stale; this drops what was on its way to the loop
         current = self.link.control.epoch(event.session)
-        if event.kind not in UNPURGEABLE and epoch_older(event.epoch, current):
+        if not survives_cancel(event.kind, event.msg) and epoch_older(event.epoch, current):
             return
         owner.on_stage_event(event)
 

@@ -166,6 +166,9 @@ class RealtimeSession:
         self.awaiting_transcript: set[int] = set()
         self._partials: dict[int, str] = {}  # turn id -> the partial transcript sent so far
         self.deferred_create: tuple[ResponseParams, str | None] | None = None
+        # a turn's end asked the stages for a reply that has not started yet: if the caller
+        # speaks again first, a barge-in cancels it before it can start over them
+        self.reply_asked = False
         self.speech_stopped_ns = 0
         self.cancels: dict[int, int] = {}  # cancel_id -> CLOCK_MONOTONIC ns it was sent
         self.pending_cancels: dict[int, PendingCancel] = {}
@@ -285,8 +288,8 @@ class RealtimeSession:
     def _speech_started(self, started: SpeechStarted) -> None:
         self.metrics.vad_events.labels("speech_started").inc()
         td = self.config.turn_detection
-        if td is not None and td.interrupt_response and self.response is not None:
-            self.interrupt("barge_in")
+        if td is not None and td.interrupt_response:
+            self.interrupt("barge_in", unstarted=True)
         self._begin_turn(started.audio_start_ms)
         for chunk in self.chunker.push(started.prefix):
             self.link.send_audio(self.session, chunk)
@@ -312,6 +315,7 @@ class RealtimeSession:
         self.speech_stopped_ns = self.link.speech_stopped(
             self.session, self.turn_id, audio_end_ms, create_response
         )
+        self.reply_asked = self.reply_asked or create_response
         item_id = self.turn_items[self.turn_id]
         if self.config.turn_detection is not None:
             self.send(
@@ -411,15 +415,33 @@ class RealtimeSession:
     # -- barge-in and cancel: the one place ------------------------------------------------
 
     def interrupt(
-        self, reason: str, heard_samples: int | None = None, *, purge: bool = True
+        self,
+        reason: str,
+        heard_samples: int | None = None,
+        *,
+        purge: bool = True,
+        unstarted: bool = False,
     ) -> None:
         """Stop the agent now: drop queued audio, purge every stage, ask each to ack.
         `heard_samples` (at the vocoder's rate) overrides what the transport says was
         played, for a client that reports it (conversation.item.truncate). `purge` False:
         the stages have moved on by themselves (a reply they started supersedes this one), so
         playback stops and the client is told, but nothing is cancelled: a cancel would purge
-        the new reply as well."""
+        the new reply as well. `unstarted`: with no reply playing, a reply that a turn's end
+        asked for and that has not started is cancelled too (the client never heard of it),
+        so that it cannot start over the caller. Only once the turn's transcript is here: the
+        encoder is done with the turn, and a cancel purges none of it (reasoning may read the
+        transcript after the cancel: it keeps it, unanswered, rings.survives_cancel). Before
+        that, the reply may still start over the caller, and plays until the reply to the
+        turn they are in supersedes it."""
         response = self.response
+        if response is None and unstarted and self.reply_asked and not self.awaiting_transcript:
+            self.reply_asked = False
+            cancel_id, t = self.link.cancel(self.session, None, "", reason)
+            self._voice_ahead.clear()
+            self.cancels[cancel_id] = t
+            self.log.info("a reply not yet started cancelled (%s)", reason)
+            return
         if response is None or self.transport is None:
             return
         self.response = None
@@ -429,6 +451,7 @@ class RealtimeSession:
             heard_samples = self.transport.heard_samples(response)
         heard = response.tracker.heard(heard_samples) if response.audio else response.text
         if purge:
+            self.reply_asked = False
             cancel_id, t = self.link.cancel(self.session, response.response_id, heard, reason)
             self._voice_ahead.clear()  # of the epoch just cancelled: its reply never starts
             self.cancels[cancel_id] = t
@@ -528,6 +551,8 @@ class RealtimeSession:
                 self._transcription_event("delta", item_id, delta=text[len(said) :])
             return
         self._partials.pop(turn_id, None)
+        if not text and turn_id == self.turn_id:
+            self.reply_asked = False  # nothing was said: reasoning answers nothing
         self._transcription_event("completed", item_id, transcript=text)
         self.awaiting_transcript.discard(turn_id)
         if item_id in self.items:
@@ -551,6 +576,7 @@ class RealtimeSession:
             )
 
     def _response_started(self, response_id: str, audio: bool, t_ns: int) -> None:
+        self.reply_asked = False
         if self.response is not None:  # the stages stopped it for this one already
             self.interrupt("superseded", purge=False)
         metadata = self._metadata.pop(response_id, None)

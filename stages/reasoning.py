@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from shm import epoch_older
 from stages.config import TINY_CHAT_MODEL, ReasoningConfig
 from stages.messages import (
     Cancel,
@@ -262,6 +263,13 @@ class ReasoningStage(Stage):
         elif item.kind is Kind.TRANSCRIPT:
             msg: Transcript = item.msg
             state = self._state(s, item.epoch)
+            if epoch_older(item.epoch, self.control.epoch(s)):
+                # a final transcript of a turn the caller spoke on after: a cancel came while it
+                # was being made (rings.survives_cancel). Its words are kept, not answered; the
+                # turn the caller is in now is answered with them.
+                if msg.text:
+                    state.conversation.add("user", msg.text)
+                return
             early, state.early = state.early, None
             if msg.speculative:
                 if early is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from shm import FLAG_NO_PURGE, Control, Ring, segment_name
 from stages.config import PipelineConfig
-from stages.messages import Kind, Msg, encode
+from stages.messages import Kind, Msg, Transcript, encode
 
 GATEWAY = "gateway"
 STAGES = ("encoder", "reasoning", "vocoder")
@@ -52,6 +52,16 @@ UNPURGEABLE = frozenset(
         Kind.ERROR,
     }
 )
+
+
+def survives_cancel(kind: Kind, msg: object) -> bool:
+    """Whether a record is delivered whatever the session's epoch: the UNPURGEABLE kinds, and a
+    turn's final transcript. What the caller said stays said when a cancel comes while it is
+    being transcribed (the caller spoke again before the reply to it started); reasoning keeps
+    such a turn in the conversation and does not answer it."""
+    if kind in UNPURGEABLE:
+        return True
+    return isinstance(msg, Transcript) and msg.final and not msg.speculative
 
 
 def role_of(instance: str) -> str:
@@ -160,7 +170,9 @@ class Outbox:
         self, session: int, msg: Msg, *, epoch: int | None = None, timeout: float | None = 5.0
     ) -> bool:
         kind, payload = encode(msg)
-        return self.push(session, kind, payload, epoch=epoch, timeout=timeout)
+        return self.push(
+            session, kind, payload, epoch=epoch, timeout=timeout, keep=survives_cancel(kind, msg)
+        )
 
     def push(
         self,
@@ -170,10 +182,12 @@ class Outbox:
         *,
         epoch: int | None = None,
         timeout: float | None = 5.0,
+        keep: bool | None = None,
     ) -> bool:
         """Push; False (and a full count in the ring's stats) if the consumer fell behind by a
-        whole ring for `timeout` seconds."""
-        flags = FLAG_NO_PURGE if kind in UNPURGEABLE else 0
+        whole ring for `timeout` seconds. `keep`: a cancel does not purge it (default: by
+        kind, UNPURGEABLE)."""
+        flags = FLAG_NO_PURGE if (kind in UNPURGEABLE if keep is None else keep) else 0
         with self._lock:
             return self.ring.push(
                 payload, session=session, kind=kind, epoch=epoch, flags=flags, timeout=timeout

@@ -234,3 +234,41 @@ def test_a_response_create_over_a_reply_still_playing_cancels_it_first() -> None
     # the cancel goes first: the new reply is stamped with the epoch after it
     assert [name for name, _ in b.link.calls] == ["cancel", "create_response"]
     assert b.link.calls[0][1][1] == "resp_1"
+
+
+def test_speech_before_the_turns_reply_started_cancels_that_reply_first() -> None:
+    """The caller speaks again before the reply to their last turn has started: it must not
+    start over them. The cancel goes before the new turn, whose speech it would purge."""
+    from gateway.vad import SpeechStarted
+    from stages.messages import ResponseStarted
+
+    def turn(b: Bound, said: str | None, create_response: bool = True) -> None:
+        b.session._speech_stopped(1000 * b.session.turn_id, create_response)
+        if said is not None:  # the turn's final transcript is here
+            b.session.on_stage_event(transcript(b.session.turn_id, said, final=True))
+
+    def speak_again(b: Bound) -> list[str]:
+        b.link.calls.clear()
+        b.session._speech_started(SpeechStarted(1500, 1800, np.zeros(0, np.int16)))
+        return [name for name, _ in b.link.calls]
+
+    b = Bound()
+    b.session._begin_turn(0)
+    turn(b, "what is the time")
+    assert speak_again(b) == ["cancel", "speech_started"]
+    assert b.link.calls[0][1][1:] == (None, "", "barge_in")  # no reply, nothing heard
+    assert not [e for e in b.transport.events if e["type"].startswith("response.")]
+    turn(b, "and in Paris")
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_2", 1))
+    assert speak_again(b) == ["cancel", "speech_started"]  # a barge-in, as ever
+    turn(b, "", create_response=True)  # nothing was said: reasoning answers nothing
+    assert speak_again(b) == ["speech_started"]
+    turn(b, "hmm", create_response=False)
+    assert speak_again(b) == ["speech_started"]
+
+    # while the encoder still transcribes the turn, a cancel would purge what it has of it,
+    # so none is sent (the reply may still start over the caller: a gap left open)
+    b = Bound()
+    b.session._begin_turn(0)
+    turn(b, None)
+    assert speak_again(b) == ["speech_started"]

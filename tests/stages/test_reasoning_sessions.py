@@ -5,6 +5,7 @@ gateway's, and reader threads race."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 from stages.config import PipelineConfig
@@ -26,6 +27,7 @@ class Dispatching(ReasoningStage):
         self.control = Epochs(EPOCH)
         self.sessions = {}
         self._tasks = set()
+        self._request_ids = itertools.count()
         self.sent: list[object] = []
         self.spawned: list[str] = []
         self.cancelled: list[Response | None] = []
@@ -94,3 +96,25 @@ def test_a_cancel_drops_an_early_reply_begun_before_it_only() -> None:
     stage.give("gateway", Kind.CANCEL, Cancel(4, None), epoch=EPOCH + 2)
     assert state.early is None and early.dropped
     assert stage.sent == [ResponseRelease("resp_5_2", keep=False)]
+
+
+def test_a_final_transcript_from_before_a_cancel_is_kept_not_answered() -> None:
+    """The caller spoke again while their last turn was being transcribed: the gateway's
+    barge-in cancel came first, and the turn's final transcript outlives it."""
+    stage = Dispatching()
+    stage.give("encoder", Kind.TRANSCRIPT, Transcript(1, "what is the time", final=True))
+    assert stage.spawned and stage.sessions[SESSION].response is not None  # answered
+    stage.spawned.clear()
+
+    stage.control.current = EPOCH + 1  # the barge-in's cancel
+    stage.give("gateway", Kind.CANCEL, Cancel(1, None), epoch=EPOCH + 1)
+    stage.give("encoder", Kind.TRANSCRIPT, Transcript(2, "and in Paris", final=True))
+    state = stage.sessions[SESSION]
+    assert state.conversation.messages[-1] == {"role": "user", "content": "and in Paris"}
+    assert not [name for name in stage.spawned if name.startswith("respond-")]
+
+    # a partial of that turn, or a speculative start, is of no use now
+    stage.give("encoder", Kind.TRANSCRIPT, Transcript(2, "and in", final=False))
+    stage.give("encoder", Kind.TRANSCRIPT, Transcript(2, "and", final=True, speculative=True))
+    assert state.conversation.messages[-1] == {"role": "user", "content": "and in Paris"}
+    assert state.early is None
