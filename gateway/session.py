@@ -431,9 +431,9 @@ class RealtimeSession:
         asked for and that has not started is cancelled too (the client never heard of it),
         so that it cannot start over the caller. Only once the turn's transcript is here: the
         encoder is done with the turn, and a cancel purges none of it (reasoning may read the
-        transcript after the cancel: it keeps it, unanswered, rings.survives_cancel). Before
-        that, the reply may still start over the caller, and plays until the reply to the
-        turn they are in supersedes it."""
+        transcript after the cancel: it keeps it, unanswered, rings.survives_cancel). A reply
+        that starts before that, while the caller speaks, is stopped as it starts
+        (`on_stage_event`, link.stop_response)."""
         response = self.response
         if response is None and unstarted and self.reply_asked and not self.awaiting_transcript:
             self.reply_asked = False
@@ -496,12 +496,20 @@ class RealtimeSession:
         elif kind is Kind.TRANSCRIPT:
             self._transcript(m.turn_id, m.text, m.final)
         elif kind is Kind.RESPONSE_STARTED:
+            asked = self.reply_asked
             self._response_started(m.response_id, m.audio, event.t_ns)
             self._started.append(m.response_id)
             ahead, self._voice_ahead = self._voice_ahead, []
             if ahead and self._voiced == m.response_id:
                 for early in ahead:
                     self.on_stage_event(early)
+            td = self.config.turn_detection
+            if asked and td is not None and td.interrupt_response and self.vad.in_speech:
+                # the reply to the caller's last turn started after they spoke again (too soon
+                # for `interrupt(unstarted=True)`): stopped unheard, and without a cancel,
+                # which would purge the turn they are in
+                self.link.stop_response(self.session, m.response_id)
+                self.interrupt("barge_in", purge=False)
         elif kind is Kind.TEXT_DELTA:
             if self._current(m.response_id):
                 self._text_delta(self.response, m.text)

@@ -28,6 +28,7 @@ from stages.messages import (
     ResponseCreate,
     ResponseDone,
     ResponseStarted,
+    ResponseStop,
     SessionClose,
     SessionOpen,
     SessionSettings,
@@ -194,6 +195,13 @@ class PipelineLink:
             ResponseDone(response_id, "completed", text),
         ):
             self._send("vocoder", session, msg)
+
+    def stop_response(self, session: int, response_id: str) -> None:
+        """Drop one reply in reasoning (its vLLM request aborted) and the vocoder, unheard and
+        out of the history, without purging the session (messages.ResponseStop)."""
+        msg = ResponseStop(response_id)
+        self._send("reasoning", session, msg)
+        self._send("vocoder", session, msg)
 
     def truncate(self, session: int, response_id: str, spoken_text: str) -> None:
         self._send("reasoning", session, Truncate(response_id, spoken_text))

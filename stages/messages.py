@@ -28,6 +28,7 @@ class Kind(enum.IntEnum):
     TRUNCATE = 21
     HISTORY = 22  # the client edited the conversation: here is all of it
     SESSION_SETTINGS = 23  # session.update: instructions, output modality, token cap
+    RESPONSE_STOP = 24  # (and -> vocoder) a reply that started over the caller: drop it unheard
     # reasoning -> vocoder, reasoning -> gateway
     RESPONSE_STARTED = 30
     TEXT_DELTA = 31
@@ -130,6 +131,14 @@ class SessionSettings(Msg):
     max_output_tokens: int | None = None  # None: the configured sampling.max_tokens
 
 
+class ResponseStop(Msg):
+    """Stop one reply, unheard, with no cancel: it started while the caller was speaking, and
+    a cancel (an epoch bump) would purge the turn they are in. Ignored if `response_id` is not
+    the session's reply any more."""
+
+    response_id: str
+
+
 class Truncate(Msg):
     """Cut the assistant's reply to what the caller actually heard."""
 
@@ -215,6 +224,7 @@ SCHEMAS: dict[Kind, type[Msg]] = {
     Kind.TRANSCRIPT: Transcript,
     Kind.RESPONSE_CREATE: ResponseCreate,
     Kind.TRUNCATE: Truncate,
+    Kind.RESPONSE_STOP: ResponseStop,
     Kind.HISTORY: History,
     Kind.SESSION_SETTINGS: SessionSettings,
     Kind.RESPONSE_STARTED: ResponseStarted,

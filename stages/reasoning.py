@@ -298,6 +298,17 @@ class ReasoningStage(Stage):
                 state.conversation.add("user", create.text)
             options = ReplyOptions.of(state.settings, create)
             self._start(s, state, create.response_id, -1, item.epoch, options)
+        elif item.kind is Kind.RESPONSE_STOP:
+            state = self.sessions.get(s)
+            response = state.response if state else None
+            if response is None or response.response_id != item.msg.response_id:
+                return  # it ended, or the next began, meanwhile
+            state.response = None
+            response.dropped = True  # nothing more of it goes out
+            if response.recorded:  # it had finished: unheard, it leaves the history
+                state.conversation.take_back(response.recorded_as)
+            response.recorded = True  # and is never recorded now
+            self._spawn(self._stop(response), f"stop-{s}")
         elif item.kind is Kind.TRUNCATE:
             self._truncate(self._state(s, item.epoch), item.msg)
         elif item.kind is Kind.HISTORY:

@@ -168,6 +168,9 @@ class VocoderStage(QueuedStage):
                 if rest := reply.splitter.flush():
                     reply.pending.append((rest, item.t_ns))
                 reply.done_status = item.msg.status
+        elif item.kind is Kind.RESPONSE_STOP:
+            if self._reply_for(item) is not None:
+                self._drop(s)
         elif item.kind is Kind.RESPONSE_RELEASE:
             reply = self._reply_for(item)
             if reply is None or reply.held is None:

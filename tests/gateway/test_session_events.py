@@ -272,3 +272,36 @@ def test_speech_before_the_turns_reply_started_cancels_that_reply_first() -> Non
     b.session._begin_turn(0)
     turn(b, None)
     assert speak_again(b) == ["speech_started"]
+
+
+def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
+    make_speech,
+) -> None:
+    """The caller spoke again while their last turn was still being transcribed (too soon to
+    cancel its reply): the reply is stopped as it starts, and nothing is purged."""
+    from stages.messages import ResponseStarted
+
+    b = Bound()
+    b.session._begin_turn(0)
+    b.session._speech_stopped(1000, create_response=True)
+    speech = make_speech("and in Paris").pcm16
+    for start in range(0, len(speech), 320):  # the caller speaks again
+        b.session.feed_audio(speech[start : start + 320])
+        if b.session.vad.in_speech:
+            break
+    assert b.session.vad.in_speech
+    assert "cancel" not in [name for name, _ in b.link.calls]  # turn 1 still transcribing
+    b.session.on_stage_event(transcript(1, "what is the time", final=True))
+    b.link.calls.clear()
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    assert b.link.calls == [("stop_response", (1, "resp_1"))]
+    assert b.session.response is None
+    done = [e for e in b.transport.events if e["type"] == "response.done"]
+    assert [d["response"]["status_details"]["reason"] for d in done] == ["turn_detected"]
+    b.audio(800)
+    assert b.transport.played == []
+
+    # a reply the client asked for is not the turn's: it plays
+    b.link.calls.clear()
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_2", -1))
+    assert b.link.calls == [] and b.session.response.response_id == "resp_2"

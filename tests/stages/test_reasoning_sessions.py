@@ -9,7 +9,15 @@ import itertools
 import threading
 
 from stages.config import PipelineConfig
-from stages.messages import Cancel, Kind, ResponseRelease, SessionClose, SessionOpen, Transcript
+from stages.messages import (
+    Cancel,
+    Kind,
+    ResponseRelease,
+    ResponseStop,
+    SessionClose,
+    SessionOpen,
+    Transcript,
+)
 from stages.reasoning import EarlyReply, ReasoningStage, Response
 from stages.worker import Inbound
 from tests.stages.stage_events import Epochs
@@ -118,3 +126,25 @@ def test_a_final_transcript_from_before_a_cancel_is_kept_not_answered() -> None:
     stage.give("encoder", Kind.TRANSCRIPT, Transcript(2, "and", final=True, speculative=True))
     assert state.conversation.messages[-1] == {"role": "user", "content": "and in Paris"}
     assert state.early is None
+
+
+def test_a_reply_stopped_unheard_leaves_no_trace_in_the_history() -> None:
+    """It started while the caller spoke again: the gateway stops it without a cancel."""
+    stage = Dispatching()
+    state = stage._state(SESSION, EPOCH)
+    state.conversation.add("user", "what is the time")
+    reply = state.response = Response("resp_5_1", "req-1", EPOCH)
+    stage.give("gateway", Kind.RESPONSE_STOP, ResponseStop("resp_5_0"))  # not this one
+    assert state.response is reply and not stage.spawned
+
+    stage.give("gateway", Kind.RESPONSE_STOP, ResponseStop("resp_5_1"))
+    assert state.response is None and reply.dropped and stage.spawned == ["stop-5"]
+    reply.record(state.conversation, "It is noon.")  # what its task would do as it ends
+    assert state.conversation.messages == [{"role": "user", "content": "what is the time"}]
+
+    # one that had finished generating, and was recorded, is taken back out
+    done = state.response = Response("resp_5_2", "req-2", EPOCH)
+    done.finished = True
+    done.record(state.conversation, "It is noon.")
+    stage.give("gateway", Kind.RESPONSE_STOP, ResponseStop("resp_5_2"))
+    assert state.conversation.messages == [{"role": "user", "content": "what is the time"}]

@@ -34,3 +34,13 @@ def test_a_cancel_keeps_a_turns_final_transcript_and_purges_the_rest(outbox) -> 
 
     kept = [decode(r.kind, r.payload) for r in iter(lambda: ring.pop(0), None)]
     assert kept == [said]
+
+
+def test_a_reply_stop_goes_through_the_ring_as_it_was_sent(outbox) -> None:
+    from stages.messages import Kind, ResponseStop
+
+    out, ring, _ = outbox
+    assert out.send(4, ResponseStop("resp_4_2"))
+    (record,) = iter(lambda: ring.pop(0), None)
+    assert record.kind == Kind.RESPONSE_STOP
+    assert decode(record.kind, record.payload) == ResponseStop("resp_4_2")

@@ -18,6 +18,7 @@ from stages.messages import (
     ResponseDone,
     ResponseRelease,
     ResponseStarted,
+    ResponseStop,
     SessionClose,
     SessionOpen,
     TextDelta,
@@ -54,11 +55,13 @@ class Noted(VocoderStage):
             TextDelta: Kind.TEXT_DELTA,
             ResponseDone: Kind.RESPONSE_DONE,
             ResponseRelease: Kind.RESPONSE_RELEASE,
+            ResponseStop: Kind.RESPONSE_STOP,
             SessionOpen: Kind.SESSION_OPEN,
             SessionClose: Kind.SESSION_CLOSE,
             Cancel: Kind.CANCEL,
         }
-        src = "gateway" if isinstance(msg, SessionOpen | SessionClose | Cancel) else "reasoning"
+        from_gateway = SessionOpen | SessionClose | Cancel | ResponseStop
+        src = "gateway" if isinstance(msg, from_gateway) else "reasoning"
         return Inbound(src, kinds[type(msg)], SESSION, epoch, 0, msg)
 
     def give(self, msg, epoch: int = EPOCH) -> None:
@@ -213,3 +216,15 @@ def test_a_cancel_drops_the_reply_before_it_not_the_one_asked_for_after() -> Non
     stage.give(ResponseStarted("resp_next", 1))
     stage.give(Cancel(1, REPLY))
     assert stage.replies[SESSION].response_id == "resp_next"
+
+
+def test_a_reply_stopped_by_the_gateway_is_dropped_and_only_that_one() -> None:
+    stage = Noted()
+    stage.give(ResponseStarted(REPLY, 1))
+    stage.give(ResponseStop("resp_3_0"))  # an older reply's: not this one
+    assert stage.replies[SESSION].response_id == REPLY
+    stage.give(ResponseStop(REPLY))
+    assert SESSION not in stage.replies
+    stage.give(TextDelta(REPLY, "Sure, it is sunny today.", 0))
+    stage.pump_until_idle()
+    assert stage.sent == []
