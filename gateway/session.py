@@ -500,9 +500,6 @@ class RealtimeSession:
             self._response_started(m.response_id, m.audio, event.t_ns)
             self._started.append(m.response_id)
             ahead, self._voice_ahead = self._voice_ahead, []
-            if ahead and self._voiced == m.response_id:
-                for early in ahead:
-                    self.on_stage_event(early)
             td = self.config.turn_detection
             if asked and td is not None and td.interrupt_response and self.vad.in_speech:
                 # the reply to the caller's last turn started after they spoke again (too soon
@@ -510,6 +507,9 @@ class RealtimeSession:
                 # which would purge the turn they are in
                 self.link.stop_response(self.session, m.response_id)
                 self.interrupt("barge_in", purge=False)
+            elif ahead and self._voiced == m.response_id:
+                for early in ahead:
+                    self.on_stage_event(early)
         elif kind is Kind.TEXT_DELTA:
             if self._current(m.response_id):
                 self._text_delta(self.response, m.text)

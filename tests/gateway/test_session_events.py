@@ -279,7 +279,7 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
 ) -> None:
     """The caller spoke again while their last turn was still being transcribed (too soon to
     cancel its reply): the reply is stopped as it starts, and nothing is purged."""
-    from stages.messages import ResponseStarted
+    from stages.messages import Phrase, ResponseStarted
 
     b = Bound()
     b.session._begin_turn(0)
@@ -293,6 +293,8 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
     assert "cancel" not in [name for name, _ in b.link.calls]  # turn 1 still transcribing
     b.session.on_stage_event(transcript(1, "what is the time", final=True))
     b.link.calls.clear()
+    b.stage("vocoder", Kind.PHRASE, Phrase("resp_1", "It is", 22050, 0))
+    b.audio(800)  # its first audio, read before its start
     b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
     assert b.link.calls == [("stop_response", (1, "resp_1"))]
     assert b.session.response is None
