@@ -32,10 +32,9 @@ from gateway.speech import Utterance
 from gateway.trace import StageTrace
 from gateway.webrtc import WebRTCTransport
 from gateway.websocket import serve_websocket, websocket_response
-from shm import epoch_older
 from stages.link import PipelineLink, SessionsFull, StageEvent
 from stages.messages import Kind
-from stages.rings import GATEWAY, RingNames, survives_cancel
+from stages.rings import GATEWAY, RingNames, made_stale
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ class Gateway:
             return
         # the ring drops what a cancel made stale; this drops what was on its way to the loop
         current = self.link.control.epoch(event.session)
-        if not survives_cancel(event.kind, event.msg) and epoch_older(event.epoch, current):
+        if made_stale(event.kind, event.msg, event.epoch, current):
             return
         owner.on_stage_event(event)
 

@@ -303,12 +303,7 @@ class ReasoningStage(Stage):
             response = state.response if state else None
             if response is None or response.response_id != item.msg.response_id:
                 return  # it ended, or the next began, meanwhile
-            state.response = None
-            response.dropped = True  # nothing more of it goes out
-            if response.recorded:  # it had finished: unheard, it leaves the history
-                state.conversation.take_back(response.recorded_as)
-            response.recorded = True  # and is never recorded now
-            self._spawn(self._stop(response), f"stop-{s}")
+            self._drop_unheard(s, state, response, f"stop-{s}")
         elif item.kind is Kind.TRUNCATE:
             self._truncate(self._state(s, item.epoch), item.msg)
         elif item.kind is Kind.HISTORY:
@@ -348,17 +343,24 @@ class ReasoningStage(Stage):
 
     def _drop_early(self, session: int, state: SessionState, early: EarlyReply) -> None:
         state.conversation.take_back(early.asked)
-        if early.response.recorded:  # it had finished: its answer goes too
-            state.conversation.take_back(early.response.recorded_as)
-        early.response.recorded = True  # and is never recorded now
-        if state.response is early.response:
-            state.response = None
         response = early.response
         if response.held is not None:  # never released: the vocoder drops what it made
             release = ResponseRelease(response.response_id, keep=False)
             self.send("vocoder", session, release, epoch=response.epoch)
+        self._drop_unheard(session, state, response, f"drop-early-{session}")
+
+    def _drop_unheard(
+        self, session: int, state: SessionState, response: Response, task_name: str
+    ) -> None:
+        """Stop a reply nobody heard: nothing more of it goes out, it is not (or no longer) in
+        the history, and its vLLM request is aborted."""
+        if response.recorded:  # it had finished: its answer goes too
+            state.conversation.take_back(response.recorded_as)
+        response.recorded = True  # and is never recorded now
+        if state.response is response:
+            state.response = None
         response.dropped = True
-        self._spawn(self._stop(response), f"drop-early-{session}")
+        self._spawn(self._stop(response), task_name)
 
     def _state(self, session: int, epoch: int) -> SessionState:
         state = self.sessions.get(session)

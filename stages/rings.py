@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shm import FLAG_NO_PURGE, Control, Ring, segment_name
+from shm import FLAG_NO_PURGE, Control, Ring, epoch_older, segment_name
 from stages.config import PipelineConfig
 from stages.messages import Kind, Msg, Transcript, encode
 
@@ -62,6 +62,12 @@ def survives_cancel(kind: Kind, msg: object) -> bool:
     if kind in UNPURGEABLE:
         return True
     return isinstance(msg, Transcript) and msg.final and not msg.speculative
+
+
+def made_stale(kind: Kind, msg: object, epoch: int, current: int) -> bool:
+    """Whether a record pushed in `epoch` was made stale by a cancel (or close) since, the
+    session's epoch being `current` now: what a ring drops, for a record already past it."""
+    return not survives_cancel(kind, msg) and epoch_older(epoch, current)
 
 
 def role_of(instance: str) -> str:

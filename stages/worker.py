@@ -27,7 +27,7 @@ from shm import PeerDiedError, Record, epoch_older
 from stages import placement
 from stages.config import PipelineConfig
 from stages.messages import BadRecord, CancelAck, Error, Kind, Msg, decode
-from stages.rings import GATEWAY, RingNames, attach_ends, role_of, survives_cancel
+from stages.rings import GATEWAY, RingNames, attach_ends, made_stale, role_of
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +142,7 @@ class Stage:
     def is_stale(self, item: Inbound) -> bool:
         """True when the session was cancelled (or closed) after `item` was pushed; records
         that manage sessions, cancels and final transcripts never are (survives_cancel)."""
-        if survives_cancel(item.kind, item.msg):
-            return False
-        return epoch_older(item.epoch, self.control.epoch(item.session))
+        return made_stale(item.kind, item.msg, item.epoch, self.control.epoch(item.session))
 
     def send(self, dst: str, session: int, msg: Msg, *, epoch: int | None = None) -> None:
         """Send to the instance of role `dst` that serves `session`."""
