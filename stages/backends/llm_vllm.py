@@ -499,7 +499,8 @@ class ReasoningEngine:
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine is still serving (0 once every stream has ended or been aborted)."""
-        return 0 if self._llm is None else self._llm.get_num_unfinished_requests()
+        # the output processor's count: AsyncLLM has no such method of its own before vLLM 0.3x
+        return 0 if self._llm is None else self._llm.output_processor.get_num_unfinished_requests()
 
     def shutdown(self, timeout: float = 15.0) -> None:
         """Stop the engine's processes (about 5 s on the CPU). Safe to call twice. Call it on

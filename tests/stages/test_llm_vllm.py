@@ -342,6 +342,7 @@ class _Core:
 
     def __init__(self, reply: asyncio.Future[bool]) -> None:
         self.reply = reply
+        self.output_processor = self
 
     async def is_sleeping(self) -> bool:
         return await self.reply
