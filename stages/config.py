@@ -104,12 +104,6 @@ class ReasoningConfig(Strict):
         None,
         description=GPUS_DESCRIPTION + "; as many as tensor_parallel_size x pipeline_parallel_size",
     )
-    abort_confirm: Literal["engine_core", "kv_stats"] = Field(
-        "engine_core",
-        description="how a cancel's ack learns the reply's KV blocks are freed: engine_core, "
-        "a call the engine core answers after the abort (when the step in flight ends); "
-        "kv_stats, a step's stats showing less KV usage (up to one step later)",
-    )
 
     @field_validator("gpus")
     @classmethod

@@ -480,14 +480,7 @@ class ReasoningStage(Stage):
         elif state is not None and msg.spoken_text is not None and msg.response_id:
             # the reply had finished generating but was still being spoken
             self._truncate(state, Truncate(msg.response_id, msg.spoken_text))
-        kv: float | None = None
-        try:
-            if self.config.reasoning.abort_confirm == "engine_core":
-                kv = await self.engine.confirm_aborts()
-            else:
-                kv = await self.engine.kv_usage_after_abort(seq, usage, sent_seq=sent_seq)
-        except Exception:  # the gateway still needs the ack, or its cancel never completes
-            logger.exception("cancel %d: the KV usage after the abort is unknown", msg.cancel_id)
+        kv = await self.engine.kv_usage_after_abort(seq, usage, sent_seq=sent_seq)
         self.ack(session, msg.cancel_id, kv_usage=kv)
 
     def _truncate(self, state: SessionState, msg: Truncate) -> None:

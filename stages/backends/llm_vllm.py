@@ -70,8 +70,7 @@ class _AbortWaits:
     scheduler); `freed_later_step`: a later one did (the first left the engine core before the
     abort reached it); `hidden`: two records after the abort went out, usage had not fallen,
     since other replies took as many new blocks; `timed_out`; `nothing_held`. An ack that
-    waited for a second step is one of `freed_later_step` and `hidden`. With the engine core's
-    confirmation instead (`confirm_aborts`): `confirmed_by_core` or `timed_out`."""
+    waited for a second step is one of `freed_later_step` and `hidden`."""
 
     def __init__(self, every_s: float = 10.0) -> None:
         self.every_s = every_s
@@ -465,41 +464,9 @@ class ReasoningEngine:
                 return kv.usage
             await kv.wait_seq(kv.seq + 1, remaining)
 
-    async def confirm_aborts(self, timeout: float = 0.1) -> float:
-        """KV usage once the engine core has applied every abort sent before this call.
-
-        The core handles a client's requests in the order they were sent, and `abort()` has sent
-        its request when it returns; so the reply to a utility call sent after it (the cheap
-        `is_sleeping`) comes once the scheduler has finished the request and returned its KV
-        blocks to the free pool. That reply leaves the core between two steps, when the step in
-        flight ends, where `kv_usage_after_abort` waits for a stats record that shows the drop:
-        a record the next step makes when the first left before the abort, or when other
-        replies' new blocks hid it.
-
-        The usage returned is 0.0 when the engine serves nothing else; otherwise the last one it
-        reported, which may predate the abort. Past `timeout` (or if the call fails) it returns
-        that usage unconfirmed, as `timed_out` in the abort log.
-        """
-        kv = self._kv
-        if self._llm is not None:
-            reply = asyncio.ensure_future(self._llm.is_sleeping())
-            try:
-                # shielded: a timed-out wait must not cancel the future vLLM will resolve
-                await asyncio.wait_for(asyncio.shield(reply), timeout)
-            except TimeoutError:
-                reply.add_done_callback(_retrieve)
-                kv.abort_waits.add("timed_out")
-                return kv.usage
-            except Exception:
-                logger.exception("confirming a vLLM abort failed")
-                kv.abort_waits.add("timed_out")
-                return kv.usage
-        kv.abort_waits.add("confirmed_by_core")
-        return 0.0 if self.num_unfinished_requests() == 0 else kv.usage
-
     def num_unfinished_requests(self) -> int:
         """Requests the engine is still serving (0 once every stream has ended or been aborted)."""
-        # the output processor's count: AsyncLLM has no such method of its own before vLLM 0.3x
+        # the output processor's count: vLLM 0.26's AsyncLLM has no method for it (0.32's has)
         return 0 if self._llm is None else self._llm.output_processor.get_num_unfinished_requests()
 
     def shutdown(self, timeout: float = 15.0) -> None:
@@ -524,12 +491,6 @@ class ReasoningEngine:
         context = getattr(resources, "ctx", None)
         if context is not None and not context.closed:
             context.destroy(linger=0)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Done callback of a future nobody awaits any more: its exception is not 'never retrieved'."""
-    if not future.cancelled():
-        future.exception()
 
 
 async def _run_in_thread(fn: Callable[[], _T], name: str) -> _T:
