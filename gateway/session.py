@@ -473,14 +473,9 @@ class RealtimeSession:
             )
         if not response.generated:
             response.item.status = "incomplete"
-            self._response_done(
-                response,
-                "cancelled",
-                {
-                    "type": "cancelled",
-                    "reason": "turn_detected" if reason == "barge_in" else "client_cancelled",
-                },
-            )
+            # barge_in, or superseded: the stages started the reply to the caller's newer turn
+            by = "client_cancelled" if reason.startswith("client") else "turn_detected"
+            self._response_done(response, "cancelled", {"type": "cancelled", "reason": by})
         self.log.info("reply %s cut (%s); caller heard %r", response.response_id, reason, heard)
 
     # -- stage events ----------------------------------------------------------------------

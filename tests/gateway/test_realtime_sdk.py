@@ -183,6 +183,41 @@ async def test_spoken_turn(base, make_speech) -> None:
         await events.next("rate_limits.updated")
 
 
+async def test_speaking_again_before_the_reply_starts_stops_it_unheard(base, make_speech) -> None:
+    """The caller's first turn ends and they speak again at once, before its transcript is
+    back: the reply to the first turn is stopped as it starts (a cancel would purge the turn
+    they are in), the caller hears none of it, and the turn they went on with is answered."""
+    first = make_speech("what is the weather like today in paris")
+    second = make_speech("and what about tomorrow in london")
+    # espeak's recordings have 0.5 s of silence at each end: 1 s between the two ends the
+    # first turn; the second is cut where its voice ends, so the caller is still speaking
+    voiced = np.flatnonzero(np.abs(second.pcm16.astype(np.int32)) > 1000)
+    speaking = np.concatenate([first.pcm16, second.pcm16[: voiced[-1] + 1]])
+    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+        events = Events(conn)
+        await events.next("session.created")
+        # appended faster than real time: the second turn starts long before the first's
+        # transcript can come back from the encoder
+        for chunk in pcm24k_b64(speaking):
+            await conn.input_audio_buffer.append(audio=chunk)
+        await events.next("input_audio_buffer.speech_stopped")
+        await events.next("input_audio_buffer.speech_started")
+        created = await events.next("response.created", timeout=60)
+        stopped = await events.next("response.done")
+        assert stopped["response"]["id"] == created["response"]["id"]
+        assert stopped["response"]["status"] == "cancelled"
+        assert stopped["response"]["status_details"]["reason"] == "turn_detected"
+
+        for chunk in pcm24k_b64(np.zeros(16000, np.int16)):  # the second turn ends
+            await conn.input_audio_buffer.append(audio=chunk)
+        answered = await events.next("response.done", timeout=60)
+        assert answered["response"]["status"] == "completed"
+        audio = [e for e in events.seen if e["type"] == "response.output_audio.delta"]
+        assert audio, "the reply to the second turn was not heard"
+        assert {e["response_id"] for e in audio} == {answered["response"]["id"]}
+        assert events.types().count("input_audio_buffer.committed") == 2
+
+
 async def test_text_turn_with_text_and_with_audio_output(base) -> None:
     async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
         events = Events(conn)

@@ -218,6 +218,8 @@ def test_a_reply_the_stages_start_over_one_still_playing_is_not_cancelled() -> N
     assert b.session.response.response_id == "resp_2"
     done = [e for e in b.transport.events if e["type"] == "response.done"]
     assert [d["response"]["status"] for d in done] == ["cancelled"]  # resp_1, cut short
+    # by the caller's newer turn, not by the client
+    assert done[0]["response"]["status_details"]["reason"] == "turn_detected"
     b.audio(800)  # what the vocoder still had of resp_1 is not played as resp_2's
     assert b.transport.played == [("resp_1", 800)]
 
