@@ -1,4 +1,5 @@
-"""A periodic log line on a batching model's passes: how full they were and what they took.
+"""Periodic log lines on a batching model: its passes (how full they were and what they took),
+and latencies it adds (LatencyLog).
 
 A pass that takes longer than the work it does is worth (the audio a vocoder pass makes, the
 turn end a recognizer pass answers) means callers wait; this line is where that shows first.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -52,3 +55,32 @@ class PassLog:
                 extras,
             )
             self._reset(now)
+
+
+class LatencyLog:
+    """`add(seconds)` for every event; every `every_s`, if any came, one line with how many
+    and their p50, p95 and max in milliseconds."""
+
+    def __init__(self, what: str, every_s: float = 10.0) -> None:
+        self.what, self.every_s = what, every_s
+        self._lock = threading.Lock()
+        self.since = time.monotonic()
+        self.samples: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.samples.append(seconds)
+            now = time.monotonic()
+            if now - self.since < self.every_s:
+                return
+            p50, p95 = np.percentile(self.samples, [50, 95]) * 1000
+            logger.info(
+                "%s: %d in %.0f s, p50 %.1f ms, p95 %.1f ms, max %.1f ms",
+                self.what,
+                len(self.samples),
+                now - self.since,
+                p50,
+                p95,
+                1000 * max(self.samples),
+            )
+            self.since, self.samples = now, []

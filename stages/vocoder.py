@@ -31,7 +31,7 @@ import numpy as np
 from stages.backends.speech import Voice, split_pcm16
 from stages.config import VocoderConfig
 from stages.messages import AudioDone, Kind, Msg, Phrase
-from stages.passlog import PassLog
+from stages.passlog import LatencyLog, PassLog
 from stages.phrases import PhraseSplitter
 from stages.rings import GATEWAY
 from stages.worker import Inbound, QueuedStage, ends_state
@@ -76,6 +76,8 @@ class Reply:
     # a reply made at the caller's pause: its records for the gateway (a message, or a piece
     # of audio), kept back until RESPONSE_RELEASE (None: sent as they are made)
     held: list[Msg | bytes] | None = None
+    at_pause: bool = False  # made at the caller's pause (held at its start)
+    first_phrase_ns: int = 0  # stamp of the record that completed its first phrase
 
     def lead_s(self, now: float, rate: int) -> float:
         """How far synthesis runs ahead of real-time playback of this reply."""
@@ -118,6 +120,12 @@ class VocoderStage(QueuedStage):
             self.voice if hasattr(self.voice, "advance") else None  # type: ignore[assignment]
         )
         self.passes = PassLog("vocoder", "replies")
+        # from a reply's first phrase complete to its first audio made: the vocoder's part of a
+        # turn, which a reply made at the caller's pause must finish before the turn ends
+        self.first_audio = {
+            held: LatencyLog(f"vocoder: first audio after the first phrase, {what}")
+            for held, what in ((True, "replies made at the pause"), (False, "other replies"))
+        }
         logger.info(
             "vocoder: %s at %d Hz ready in %.1f s",
             self.voice.name,
@@ -157,6 +165,7 @@ class VocoderStage(QueuedStage):
                 PhraseSplitter(cfg.first_phrase_words, cfg.max_phrase_words),
                 paced=item.msg.paced,
                 held=[] if item.msg.held else None,
+                at_pause=item.msg.held,
             )
         elif item.kind is Kind.TEXT_DELTA:
             reply = self._reply_for(item)
@@ -285,6 +294,7 @@ class VocoderStage(QueuedStage):
     def _next_phrase(self, session: int, reply: Reply) -> tuple[str, Callable[[], bool]]:
         """Announce the reply's next phrase to the gateway; its text, and its `stop` test."""
         text, ready_ns = reply.pending.popleft()
+        reply.first_phrase_ns = reply.first_phrase_ns or ready_ns
         phrase = Phrase(reply.response_id, text, self.voice.sample_rate, ready_ns)
         self._to_gateway(session, reply, phrase)
         epoch = reply.epoch
@@ -330,6 +340,9 @@ class VocoderStage(QueuedStage):
 
     def _push(self, session: int, reply: Reply, chunk: np.ndarray) -> None:
         """Push ``chunk`` of the reply's audio to the gateway in pieces of at most 100 ms."""
+        if not reply.samples and len(chunk):
+            made_s = (time.monotonic_ns() - reply.first_phrase_ns) / 1e9
+            self.first_audio[reply.at_pause].add(made_s)
         for piece in split_pcm16(chunk, self.voice.sample_rate):
             if not self._to_gateway(session, reply, piece.tobytes()):
                 return  # cancelled meanwhile: the CANCEL in the inbox drops the reply

@@ -4,8 +4,11 @@ what would go to the gateway is noted."""
 
 from __future__ import annotations
 
+import logging
 import queue
+import re
 import threading
+import time
 
 import pytest
 
@@ -228,3 +231,35 @@ def test_a_reply_stopped_by_the_gateway_is_dropped_and_only_that_one() -> None:
     stage.give(TextDelta(REPLY, "Sure, it is sunny today.", 0))
     stage.pump_until_idle()
     assert stage.sent == []
+
+
+def test_each_replys_first_audio_is_timed_from_its_first_phrase(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Logged apart for replies made at the caller's pause, which must have it before the turn
+    ends, and the others; a reply released before its first audio is still one of the first."""
+    stage = Noted()
+    for log in stage.first_audio.values():
+        log.every_s = 0  # a line for every reply
+    kinds = set()
+    for held in (True, False):
+        started = time.monotonic_ns()
+        stage.give(ResponseStarted(REPLY, 1, held=held))
+        if held:
+            stage.give(ResponseRelease(REPLY, keep=True))  # released before anything was made
+        text = TextDelta(REPLY, "Sure, it is sunny today.", 0)
+        stage.handle(Inbound("reasoning", Kind.TEXT_DELTA, SESSION, EPOCH, started, text))
+        with caplog.at_level(logging.INFO, logger="stages.passlog"):
+            stage.pump_until_idle()
+        took_ms = (time.monotonic_ns() - started) / 1e6
+        (record,) = caplog.records
+        caplog.clear()
+        found = re.fullmatch(
+            r"vocoder: first audio after the first phrase, (.+): 1 in 0 s, "
+            r"p50 ([0-9.]+) ms, p95 \2 ms, max \2 ms",
+            record.getMessage(),
+        )
+        assert found, record.getMessage()
+        kinds.add(found[1])
+        assert 0 < float(found[2]) <= took_ms
+    assert kinds == {"replies made at the pause", "other replies"}
