@@ -123,8 +123,8 @@ class VocoderStage(QueuedStage):
         # from a reply's first phrase complete to its first audio made: the vocoder's part of a
         # turn, which a reply made at the caller's pause must finish before the turn ends
         self.first_audio = {
-            held: LatencyLog(f"vocoder: first audio after the first phrase, {what}")
-            for held, what in ((True, "replies made at the pause"), (False, "other replies"))
+            at_pause: LatencyLog(f"vocoder: first audio after the first phrase, {what}")
+            for at_pause, what in ((True, "replies made at the pause"), (False, "other replies"))
         }
         logger.info(
             "vocoder: %s at %d Hz ready in %.1f s",
