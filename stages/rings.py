@@ -188,12 +188,12 @@ class Outbox:
         *,
         epoch: int | None = None,
         timeout: float | None = 5.0,
-        keep: bool | None = None,
+        keep: bool = False,
     ) -> bool:
         """Push; False (and a full count in the ring's stats) if the consumer fell behind by a
-        whole ring for `timeout` seconds. `keep`: a cancel does not purge it (default: by
-        kind, UNPURGEABLE)."""
-        flags = FLAG_NO_PURGE if (kind in UNPURGEABLE if keep is None else keep) else 0
+        whole ring for `timeout` seconds. `keep`: a cancel does not purge it (`send` sets it
+        by survives_cancel; raw pushes are audio, which a cancel purges)."""
+        flags = FLAG_NO_PURGE if keep else 0
         with self._lock:
             return self.ring.push(
                 payload, session=session, kind=kind, epoch=epoch, flags=flags, timeout=timeout
