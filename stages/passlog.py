@@ -59,7 +59,7 @@ class PassLog:
 
 class LatencyLog:
     """`add(seconds)` for every event; every `every_s`, if any came, one line with how many
-    and their p50, p95 and max in milliseconds."""
+    and their p50, p95, p99 and max in milliseconds."""
 
     def __init__(self, what: str, every_s: float = 10.0) -> None:
         self.what, self.every_s = what, every_s
@@ -73,14 +73,15 @@ class LatencyLog:
             now = time.monotonic()
             if now - self.since < self.every_s:
                 return
-            p50, p95 = np.percentile(self.samples, [50, 95]) * 1000
+            p50, p95, p99 = np.percentile(self.samples, [50, 95, 99]) * 1000
             logger.info(
-                "%s: %d in %.0f s, p50 %.1f ms, p95 %.1f ms, max %.1f ms",
+                "%s: %d in %.0f s, p50 %.1f ms, p95 %.1f ms, p99 %.1f ms, max %.1f ms",
                 self.what,
                 len(self.samples),
                 now - self.since,
                 p50,
                 p95,
+                p99,
                 1000 * max(self.samples),
             )
             self.since, self.samples = now, []

@@ -38,6 +38,7 @@ from stages.messages import (
     Transcript,
     Truncate,
 )
+from stages.passlog import LatencyLog
 from stages.rings import GATEWAY
 from stages.worker import Inbound, Stage, StageSpec, ends_state
 
@@ -166,6 +167,7 @@ class ReasoningStage(Stage):
         self._request_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._cancel_hops = _CancelHops()
 
     def load(self) -> dict[str, Any]:
         from stages.backends.llm_vllm import ReasoningEngine
@@ -259,7 +261,8 @@ class ReasoningStage(Stage):
                 state.early = None  # never released: never heard
                 self._drop_early(s, state, early)
                 response = None if response is early.response else response
-            self._spawn(self._cancel(s, state, response, item.msg), f"cancel-{s}")
+            stamps = [item.t_ns, time.monotonic_ns()]  # pushed, read; _cancel adds the rest
+            self._spawn(self._cancel(s, state, response, item.msg, stamps), f"cancel-{s}")
         elif item.kind is Kind.TRANSCRIPT:
             msg: Transcript = item.msg
             state = self._state(s, item.epoch)
@@ -467,12 +470,14 @@ class ReasoningStage(Stage):
         state: SessionState | None,
         response: Response | None,
         msg: Cancel,
+        stamps: list[int],
     ) -> None:
         seq, usage = self.engine.kv_stats_seq(), self.engine.kv_usage()
         sent_seq = None
         if state is not None and response is not None and not response.finished:
             await self._stop(response)
             sent_seq = self.engine.kv_stats_seq()  # the abort is on its way to the engine
+            stamps.append(time.monotonic_ns())
             if state.response is response:
                 state.response = None
             heard = msg.spoken_text if msg.spoken_text is not None else response.text
@@ -482,6 +487,8 @@ class ReasoningStage(Stage):
             self._truncate(state, Truncate(msg.response_id, msg.spoken_text))
         kv = await self.engine.kv_usage_after_abort(seq, usage, sent_seq=sent_seq)
         self.ack(session, msg.cancel_id, kv_usage=kv)
+        if sent_seq is not None:
+            self._cancel_hops.add(stamps)
 
     def _truncate(self, state: SessionState, msg: Truncate) -> None:
         """Replace the last assistant message with what the caller heard of it."""
@@ -492,6 +499,28 @@ class ReasoningStage(Stage):
                 else:
                     state.conversation.messages.remove(m)
                 return
+
+
+class _CancelHops:
+    """Where a cancel of a reply being made spends its time in this stage, a log line a hop
+    every 10 s: from the gateway's push to the event loop reading it (ring, reader thread, a
+    busy loop), to vLLM's abort sent (the reply's task stopped), to the freed blocks seen (the
+    engine's step in flight; see `kv_usage_after_abort`)."""
+
+    HOPS = (
+        "CANCEL pushed to read on the event loop",
+        "read to vLLM's abort sent",
+        "abort sent to freed blocks seen",
+    )
+
+    def __init__(self) -> None:
+        self.logs = [LatencyLog(f"cancel of a reply being made: {hop}") for hop in self.HOPS]
+
+    def add(self, stamps: list[int]) -> None:
+        """As the ack goes out: `stamps` are pushed, read and abort sent (monotonic ns)."""
+        stamps = [*stamps, time.monotonic_ns()]
+        for log, start, end in zip(self.logs, stamps, stamps[1:], strict=False):
+            log.add((end - start) / 1e9)
 
 
 async def _settle(tasks: set[asyncio.Task[Any]]) -> None:

@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from stages.backends.tiny_chat_model import has_random_weights
 from stages.rundir import owned_folder
 
@@ -92,6 +94,51 @@ class _AbortWaits:
             self._since = now
 
 
+class _StepLog:
+    """vLLM's steps as this process sees them (a stats record a step), a line every `every_s`:
+    the time from one record to the next while the engine had requests, apart for steps that
+    finished a prompt's prefill. A cancel's ack waits for the rest of the step in flight, so
+    its tail is the long steps', and this says which kind they are."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last: float | None = None  # the previous record, if the engine was busy then
+        self._since: float | None = None
+        self._decode: list[float] = []
+        self._prefill: list[float] = []
+        self._prompt_tokens = 0
+
+    def add(self, now: float, busy: bool, prompt_tokens: int) -> None:
+        """A record at `now` (monotonic s); `busy`: the engine had requests after its step."""
+        if self._since is None:
+            self._since = now
+        if self._last is not None:
+            (self._prefill if prompt_tokens else self._decode).append(now - self._last)
+            self._prompt_tokens += prompt_tokens
+        self._last = now if busy else None
+        if now - self._since < self.every_s or not (self._decode or self._prefill):
+            return
+        logger.info(
+            "vLLM steps in %.0f s, record to record: %s; %s",
+            now - self._since,
+            _spread("decoding only", self._decode),
+            _spread(
+                f"finishing a prefill ({self._prompt_tokens / max(len(self._prefill), 1):.0f}"
+                " prompt tokens a step)",
+                self._prefill,
+            ),
+        )
+        self._since, self._decode, self._prefill, self._prompt_tokens = now, [], [], 0
+
+
+def _spread(what: str, seconds: list[float]) -> str:
+    if not seconds:
+        return f"{what} 0"
+    p50, p99 = np.percentile(seconds, [50, 99]) * 1000
+    top = 1000 * max(seconds)
+    return f"{what} {len(seconds)}, p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {top:.1f} ms"
+
+
 class _KvUsageMonitor:
     """Latest KV-cache usage reported by the engine, with waiters for it to fall to idle.
 
@@ -106,12 +153,14 @@ class _KvUsageMonitor:
         self.updated_at = 0.0
         self._changed: asyncio.Event | None = None
         self.abort_waits = _AbortWaits()
+        self.steps = _StepLog()
 
-    def update(self, usage: float, requests: int = 0) -> None:
+    def update(self, usage: float, requests: int = 0, prompt_tokens: int = 0) -> None:
         self.seq += 1
         self.usage = usage
         self.requests = requests  # running + waiting in the scheduler at that step
         self.updated_at = time.monotonic()
+        self.steps.add(self.updated_at, requests > 0, prompt_tokens)
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -165,6 +214,8 @@ def _kv_stat_logger_class() -> type:
                 self.monitor.update(
                     scheduler_stats.kv_cache_usage,
                     scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs,
+                    # prompts whose prefill ended this step (their first token came)
+                    getattr(iteration_stats, "num_prompt_tokens", 0),
                 )
 
         def log_engine_initialized(self) -> None:

@@ -7,6 +7,7 @@ leaves it idle, and the abort tests check that nothing is left behind before the
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from stages.backends.llm_vllm import (
     EngineConfigError,
     ModelNotFoundError,
     ReasoningEngine,
+    _StepLog,
 )
 from stages.backends.tiny_chat_model import ensure_tiny_chat_model
 
@@ -107,6 +109,23 @@ async def test_two_concurrent_streams(engine: ReasoningEngine) -> None:
     # Both were being decoded at once (continuous batching), not one after the other.
     assert spans["pair-b"][0] < spans["pair-a"][1] and spans["pair-a"][0] < spans["pair-b"][1]
     assert max(usage_seen) == pytest.approx(2 / 15)  # one block each: the prompts are short
+    await _assert_idle(engine)
+
+
+@module_loop
+async def test_the_step_log_tells_a_prefill_step_from_decoding(engine: ReasoningEngine) -> None:
+    """A prompt that comes while another reply decodes is prefilled in a step the log counts
+    apart, with the prompt's tokens; vLLM's stats carry them (0.26's and 0.32's alike)."""
+    engine._kv.steps = steps = _StepLog(every_s=3600)
+    first = engine.generate("steps-a", MESSAGES, {"max_tokens": 24})
+    for _ in range(4):
+        await anext(first)
+    second = [d async for d in engine.generate("steps-b", MESSAGES, {"max_tokens": 4})]
+    rest = [d async for d in first]  # (deltas, not tokens: a slow reader gets several in one)
+    assert second and rest
+    assert len(steps._prefill) >= 1 and steps._prompt_tokens >= 10  # the chat template's too
+    assert len(steps._decode) >= 15
+    assert min(steps._decode + steps._prefill) > 0
     await _assert_idle(engine)
 
 
@@ -302,3 +321,21 @@ def test_an_abort_hidden_by_other_requests_growth_is_acked_after_a_second_step()
     usage, waits = asyncio.run(scenario())
     assert usage == pytest.approx(0.52)
     assert waits == {"hidden": 1, "timed_out": 1}
+
+
+def test_the_step_log_times_busy_steps_by_kind(caplog: pytest.LogCaptureFixture) -> None:
+    """The first step after an idle engine is not timed: the gap before it was idle time."""
+    log = _StepLog(every_s=3600)
+    log.add(100.000, busy=False, prompt_tokens=0)  # the engine went idle
+    log.add(105.000, busy=True, prompt_tokens=30)  # a prompt came 5 s later
+    log.add(105.010, busy=True, prompt_tokens=0)
+    log.add(105.030, busy=True, prompt_tokens=50)  # another prompt, beside the first reply
+    log.every_s = 0
+    with caplog.at_level(logging.INFO, logger="stages.backends.llm_vllm"):
+        log.add(105.040, busy=False, prompt_tokens=0)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "vLLM steps in 5 s, record to record: decoding only 2, p50 10.0 ms, p99 10.0 ms, "
+        "max 10.0 ms; finishing a prefill (50 prompt tokens a step) 1, p50 20.0 ms, "
+        "p99 20.0 ms, max 20.0 ms"
+    )

@@ -47,7 +47,7 @@ class Dispatching(ReasoningStage):
         self.spawned.append(name)
         coro.close()
 
-    def _cancel(self, session, state, response, msg):
+    def _cancel(self, session, state, response, msg, stamps):
         self.cancelled.append(response)
         return asyncio.sleep(0)
 
