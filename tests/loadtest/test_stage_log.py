@@ -1,0 +1,100 @@
+"""loadtest.stage_log reads back what the stages log, in the formats their classes write."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.stage_log import gather, table
+from stages.backends.llm_vllm import _AbortWaits, _StepLog
+from stages.passlog import LatencyLog, PassLog
+from stages.reasoning import _CancelHops
+
+ROOT = Path(__file__).parents[2]
+
+
+def _stage_lines(caplog: pytest.LogCaptureFixture) -> dict[str, str]:
+    """One line of each kind, made by the classes that write them."""
+    steps = _StepLog(every_s=3600)
+    steps.add(0.000, busy=True, prompt_tokens=0)
+    steps.add(0.005, busy=True, prompt_tokens=0)
+    steps.add(0.017, busy=True, prompt_tokens=120)
+    steps.every_s = 0
+    hops = _CancelHops()
+    for log in hops.logs:
+        log.every_s = 0
+    waits = _AbortWaits(every_s=3600)
+    waits.add("freed_first_step")
+    waits.add("hidden")
+    waits.every_s = 0
+    passes = PassLog("vocoder", "replies", every_s=0)
+    first_audio = LatencyLog("vocoder: first audio after the first phrase, other replies", 0)
+    with caplog.at_level(logging.INFO):
+        steps.add(0.022, busy=False, prompt_tokens=0)
+        hops.add([0, 1_000_000, 3_000_000])  # pushed, read 1 ms later, abort sent 2 ms after
+        waits.add("freed_later_step")
+        passes.add(4, 0.060)
+        first_audio.add(0.250)
+    lines = {"reasoning": [], "vocoder": []}
+    for record in caplog.records:
+        stage = "vocoder" if record.getMessage().startswith("vocoder") else "reasoning"
+        lines[stage].append(record.getMessage())
+    return lines
+
+
+def _run_log(caplog: pytest.LogCaptureFixture) -> list[str]:
+    made = _stage_lines(caplog)
+
+    def stage(clock: str, name: str, text: str) -> str:
+        return f"2026-12-01 {clock},123 {name}[42] INFO {text}"
+
+    log = ["[12:00:00] layout one vocoder.batch=8: gpu-one.yaml"]
+    log.append(stage("12:00:01", "reasoning", made["reasoning"][0]))  # warm-up: no load yet
+    log.append("[12:00:05] 8 caller(s), 10 turns each")
+    log += [stage("12:00:15", "reasoning", text) for text in made["reasoning"]]
+    log += [stage("12:00:15", "vocoder", text) for text in made["vocoder"]]
+    log.append('[12:00:40] 8 callers: {"callers": 8}')
+    log.append(stage("12:00:45", "reasoning", made["reasoning"][0]))  # between loads
+    return log
+
+
+def test_a_runs_stage_lines_are_gathered_by_variant_and_load(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runs = gather(_run_log(caplog))
+    assert list(runs) == ["one vocoder.batch=8"]
+    assert list(runs["one vocoder.batch=8"]) == ["8 callers"]
+    report = runs["one vocoder.batch=8"]["8 callers"].report()
+    decoding = report["vLLM step, decoding only"]
+    assert decoding["events"] == 2 and decoding["max_ms"] == pytest.approx(5.0)
+    assert report["vLLM step, finishing a prefill"]["max_ms"] == pytest.approx(12.0)
+    hop = report["cancel of a reply being made: read to vLLM's abort sent"]
+    assert hop == {"events": 1, "p50_ms": [2.0, 2.0], "p99_ms": [2.0, 2.0], "max_ms": 2.0}
+    assert report["vLLM aborts, how their freed blocks were seen"] == {
+        "freed_first_step": 1,
+        "freed_later_step": 1,
+        "hidden": 1,
+    }
+    assert report["vocoder passes"] == {"passes": 1, "items_a_pass": 4.0, "ms_a_pass": 60.0}
+    assert report["first audio after the first phrase, other replies"]["p99_ms"] == [250.0] * 2
+    row = table({"v": {"8 callers": report}}).splitlines()[-1]
+    assert row.startswith("| v | 8 callers | 5.0 / 12.0 | 1.0 / 2.0 / ")
+    assert row.endswith("| 1 / 1 / 1 |  / 250.0 | 4.0, 60.0 |")  # no reply made at a pause
+
+
+def test_the_command_names_a_log_without_a_run_in_it(tmp_path: Path) -> None:
+    empty = tmp_path / "run.log"
+    empty.write_text("nothing of gpu_run here\n")
+    for path, says in ((tmp_path / "missing.log", "no such log file"), (empty, "no load")):
+        done = subprocess.run(
+            [sys.executable, "-m", "loadtest.stage_log", str(path)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert done.returncode == 2 and says in done.stderr and str(path) in done.stderr
