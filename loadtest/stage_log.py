@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.reasoning import _CancelHops
+
 _NUM = r"([0-9.]+)"
 _OWN = re.compile(r"^\[(\d\d):(\d\d):(\d\d)\] (.*)$")
-_STAGE = re.compile(r"^\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d),\d+ (\w+)\[\d+\] \w+ (.*)$")
+_STAGE = re.compile(r"^\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d),\d+ ([\w.]+)\[\d+\] \w+ (.*)$")
 _VARIANT = re.compile(r"^layout (.+): \S+\.yaml$")
 _LOAD = re.compile(r"^(\d+) caller\(s\), \d+ turns each$")
 _ITL = re.compile(r"^inter-token latency, (\d+) replies at once$")
@@ -101,7 +103,7 @@ class Load:
         elif m := _PASSES.match(text):
             self.passes[m[1]].append((int(m[2]), float(m[3]), float(m[4])))
         elif m := _LATENCY.match(text):
-            what = m[1].removeprefix(f"{stage}: ")
+            what = m[1].removeprefix(f"{stage.partition('.')[0]}: ")  # vocoder.1: a replica
             self.spreads[what].add(int(m[2]), float(m[3]), float(m[5]), float(m[6]))
 
     def report(self) -> dict[str, Any]:
@@ -154,11 +156,7 @@ def table(report: dict[str, dict[str, dict[str, Any]]]) -> str:
         " replies a pass, ms a pass |"
     )
     rows = [head, "|---|---|---|---|---|---|---|"]
-    hops = (
-        "cancel of a reply being made: CANCEL pushed to read on the event loop",
-        "cancel of a reply being made: read to vLLM's abort sent",
-        "cancel of a reply being made: abort sent to freed blocks seen",
-    )
+    hops = [log.what for log in _CancelHops().logs]
     audio = (
         "first audio after the first phrase, replies made at the pause",
         "first audio after the first phrase, other replies",

@@ -96,9 +96,12 @@ class _AbortWaits:
 
 class _StepLog:
     """vLLM's steps as this process sees them (a stats record a step), a line every `every_s`:
-    the time from one record to the next while the engine had requests, apart for steps that
-    finished a prompt's prefill. A cancel's ack waits for the rest of the step in flight, so
-    its tail is the long steps', and this says which kind they are."""
+    the time from one record to the next while the engine had requests, the steps that
+    finished a prompt's prefill counted apart. A cancel's ack waits for the rest of the step in
+    flight, so its tail is the long steps', and this says which kind they are. (Under vLLM's
+    asynchronous scheduling, its default, a step is scheduled while the one before runs, and a
+    long step's interval shows on the record after its own: run synchronously to tell them
+    apart; docs/benchmarks.md, session 15.)"""
 
     def __init__(self, every_s: float = 10.0) -> None:
         self.every_s = every_s

@@ -56,7 +56,7 @@ def _run_log(caplog: pytest.LogCaptureFixture) -> list[str]:
     log.append(stage("12:00:01", "reasoning", made["reasoning"][0]))  # warm-up: no load yet
     log.append("[12:00:05] 8 caller(s), 10 turns each")
     log += [stage("12:00:15", "reasoning", text) for text in made["reasoning"]]
-    log += [stage("12:00:15", "vocoder", text) for text in made["vocoder"]]
+    log += [stage("12:00:15", "vocoder.1", text) for text in made["vocoder"]]  # a replica
     log.append('[12:00:40] 8 callers: {"callers": 8}')
     log.append(stage("12:00:45", "reasoning", made["reasoning"][0]))  # between loads
     return log
