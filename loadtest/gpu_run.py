@@ -1071,10 +1071,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # the other layouts still run; the failure is reported
             log(f"layout {key} failed: {type(exc).__name__}: {exc}")
             results["layouts"][key] = {"error": f"{type(exc).__name__}: {exc}"}
+        results["stage_log"] = stages_account(args.out / "run.log", results["layouts"])
         (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     print(table(results), flush=True)
     (args.out / "table.md").write_text(table(results) + "\n")
     return 0
+
+
+def stages_account(run_log: Path, layouts: dict[str, Any]) -> dict[str, Any]:
+    """What the stages logged during each variant's loads (loadtest.stage_log), read from this
+    run's own log where loadtest/gpu/device-run.sh writes it (`--out`/run.log); {} without."""
+    if not run_log.is_file():
+        return {}
+    from loadtest import stage_log  # (the stages' modules: not imported before they spawn)
+
+    return {key: loads for key, loads in stage_log.report(run_log).items() if key in layouts}
 
 
 if __name__ == "__main__":

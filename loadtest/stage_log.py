@@ -141,6 +141,13 @@ def gather(lines: Iterable[str]) -> dict[str, dict[str, Load]]:
     return runs
 
 
+def report(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """{variant: {load: figures}} of the log at `path`."""
+    with path.open(errors="replace") as lines:
+        runs = gather(lines)
+    return {v: {load: f.report() for load, f in loads.items()} for v, loads in runs.items()}
+
+
 def _range(values: list[float] | None) -> str:
     if not values:
         return ""
@@ -188,14 +195,12 @@ def main() -> None:
     args = parser.parse_args()
     if not args.log.is_file():
         parser.error(f"no such log file: {args.log}")
-    with args.log.open(errors="replace") as lines:
-        runs = gather(lines)
-    if not runs:
+    figures = report(args.log)
+    if not figures:
         parser.error(f"{args.log}: no load of loadtest.gpu_run found in it")
-    report = {v: {load: f.report() for load, f in loads.items()} for v, loads in runs.items()}
-    print(json.dumps(report, indent=1))
+    print(json.dumps(figures, indent=1))
     if not args.json:
-        print(table(report))
+        print(table(figures))
 
 
 if __name__ == "__main__":

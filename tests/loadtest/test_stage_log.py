@@ -98,3 +98,15 @@ def test_the_command_names_a_log_without_a_run_in_it(tmp_path: Path) -> None:
             timeout=60,
         )
         assert done.returncode == 2 and says in done.stderr and str(path) in done.stderr
+
+
+def test_gpu_runs_results_carry_the_stages_account_of_their_own_variants(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    from loadtest.gpu_run import stages_account
+
+    run_log = tmp_path / "run.log"
+    assert stages_account(run_log, {}) == {}  # run without device-run.sh: no log of its own
+    run_log.write_text("\n".join(_run_log(caplog)) + "\n")
+    assert list(stages_account(run_log, {"one vocoder.batch=8": {}})) == ["one vocoder.batch=8"]
+    assert stages_account(run_log, {"one vocoder.batch=16": {}}) == {}  # another run's log
