@@ -202,7 +202,7 @@ def test_vocoder_variants_can_be_set_for_a_comparison(capsys) -> None:
     assert "vocoder.replicas: 4 (from the command line)" in notes
     assert "vocoder.batch: 1 (from the command line)" in notes
     config, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
-    assert (config.vocoder.replicas, config.vocoder.batch) == (1, 8)  # configs/gpu-one.yaml
+    assert (config.vocoder.replicas, config.vocoder.batch) == (2, 8)  # configs/gpu-one.yaml
     for bad in ("4", "4x", "0x8", "1x65"):
         with pytest.raises(SystemExit):
             main(["--vocoders", bad])
