@@ -113,7 +113,8 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
     seen = f"{gpu_count} GPU(s) visible here"
     if "CUDA_VISIBLE_DEVICES" in environ:
         seen += f" (CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r})"
-    used: dict[int, dict[str, float | None]] = {}  # GPU -> stage -> its memory share
+    # GPU -> stage -> (its memory share per process, its processes)
+    used: dict[int, dict[str, tuple[float | None, int]]] = {}
     for stage, cfg in (("encoder", config.encoder), ("vocoder", config.vocoder)):
         if cfg.cuda_index is None:
             continue
@@ -122,7 +123,8 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
         gpu = cfg.gpus[cfg.cuda_index] if cfg.gpus is not None else cfg.cuda_index
         if gpu >= gpu_count:
             raise PlacementError(f"{stage} is placed on GPU {gpu} but there are {seen}")
-        used.setdefault(gpu, {})[stage] = cfg.gpu_memory_fraction
+        processes = config.vocoder.replicas if stage == "vocoder" else 1
+        used.setdefault(gpu, {})[stage] = (cfg.gpu_memory_fraction, processes)
     reasoning = config.reasoning
     if gpu_count == 0:
         if reasoning.gpus or reasoning.parallel_size > 1:
@@ -139,7 +141,7 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
         )
     share = reasoning.engine_args.get("gpu_memory_utilization")
     for gpu in gpus:
-        used.setdefault(gpu, {})["reasoning"] = share
+        used.setdefault(gpu, {})["reasoning"] = (share, 1)
     for gpu, stages in sorted(used.items()):
         if "reasoning" not in stages or len(stages) == 1:
             continue
@@ -150,9 +152,11 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
                 "reasoning.engine_args.gpu_memory_utilization (vLLM's default "
                 f"{VLLM_DEFAULT_MEMORY_UTILIZATION} leaves them too little)"
             )
-        total = sum(v for v in stages.values() if v is not None)
-        if total > 1.0:
-            parts = " + ".join(f"{s} {v}" for s, v in stages.items() if v is not None)
+        shares = {s: (v, n) for s, (v, n) in stages.items() if v is not None}
+        if sum(v * n for v, n in shares.values()) > 1.0:  # each replica takes its own share
+            parts = " + ".join(
+                f"{s} {v}" if n == 1 else f"{s} {n} x {v}" for s, (v, n) in shares.items()
+            )
             raise PlacementError(f"GPU {gpu} is given out beyond its memory: {parts} > 1.0")
 
 

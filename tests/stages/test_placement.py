@@ -114,6 +114,14 @@ def test_the_gpus_present_are_counted_when_the_config_asks_for_gpus() -> None:
             1,
             r"GPU 0 is given out beyond its memory: vocoder 0.3 \+ reasoning 0.8 > 1.0",
         ),
+        (  # each vocoder process takes its own share: 0.5 + 3 x 0.2 > 1
+            config(
+                vocoder={"device": "cuda", "gpus": [0], "gpu_memory_fraction": 0.2, "replicas": 3},
+                reasoning={"gpus": [0], "engine_args": {"gpu_memory_utilization": 0.5}},
+            ),
+            1,
+            r"GPU 0 is given out beyond its memory: vocoder 3 x 0.2 \+ reasoning 0.5 > 1.0",
+        ),
     ],
 )
 def test_impossible_layouts_are_refused_naming_the_stage(
