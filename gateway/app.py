@@ -93,6 +93,7 @@ class Gateway:
         self.siblings: Siblings | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.trace: StageTrace | None = None
+        self.watch: LoopWatch | None = None
 
     # reader thread -> loop
     def _on_stage_event(self, event: StageEvent) -> None:
@@ -133,8 +134,11 @@ class Gateway:
             frozen = freeze_startup_objects()
             logger.info("%d objects of the start-up exempt from garbage collection", frozen)
         stall_ms = self.config.gateway.stall_report_ms
-        watch = LoopWatch(
-            self.metrics.loop_lag, self.metrics.gc_pause, stall_ms / 1000 if stall_ms else None
+        watch = self.watch = LoopWatch(
+            self.metrics.loop_lag,
+            self.metrics.gc_pause,
+            stall_ms / 1000 if stall_ms else None,
+            busy=lambda: bool(self.calls),
         )
         watch.start()
         try:
@@ -198,6 +202,8 @@ class Gateway:
         self.calls[call.call_id] = call
         self.by_session[session] = call
         self.metrics.sessions.set(len(self.calls))
+        if self.watch is not None:
+            self.watch.wake()
         return call
 
     def _ice_config(self) -> RTCConfiguration:

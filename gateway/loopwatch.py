@@ -3,7 +3,9 @@
 One event loop carries every call of a gateway process; while it is held, every call's audio
 waits (a stall of 100 ms is a gap in all of them at once). `LoopWatch` measures how late the
 loop wakes a 20 ms timer (the frame period) and how long each garbage collection holds the
-process, into the process's metrics, so a load test can tell the two apart.
+process, into the process's metrics, so a load test can tell the two apart. With no call in
+the process the timer is set once a second (a 20 ms timer was most of an idle gateway's CPU)
+and `wake()` brings it back to 20 ms when a call comes.
 
 With a stall threshold, a thread of its own also logs the loop thread's stack whenever the
 loop has not ticked for that long: what held it, caught in the act.
@@ -23,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Histogram
@@ -30,6 +33,7 @@ from prometheus_client import Histogram
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.02  # the frame period: a lag is what a frame due now waits
+IDLE_TICK_S = 1.0  # no call: no frame is due, and the process should cost next to nothing
 MAX_STALL_REPORTS = 100  # per process: enough to see the pattern, never a flood of logs
 
 
@@ -55,14 +59,24 @@ def where(frame: Any, depth: int = 12) -> str:
 
 class LoopWatch:
     """Observes loop lag and GC pauses into two histograms while started; with `stall_s`,
-    logs the loop's stack each time it is held that long."""
+    logs the loop's stack each time it is held that long. `busy()` says whether a call is in
+    progress: only then does the watch tick at the frame period."""
 
-    def __init__(self, lag: Histogram, gc_pause: Histogram, stall_s: float | None = None) -> None:
+    def __init__(
+        self,
+        lag: Histogram,
+        gc_pause: Histogram,
+        stall_s: float | None = None,
+        busy: Callable[[], bool] = lambda: True,
+    ) -> None:
         self._lag = lag
         self._gc_pause = gc_pause
         self._gc_started: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._stall_s = stall_s
+        self._busy = busy
+        self._woken = asyncio.Event()
+        self.tick_s = TICK_S  # the timer in progress
         self._ticked = time.monotonic()
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
@@ -92,20 +106,33 @@ class LoopWatch:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def wake(self) -> None:
+        """A call has come: tick at the frame period from now, not after the idle timer."""
+        self._woken.set()
+
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            due = loop.time() + TICK_S
-            await asyncio.sleep(TICK_S)
+            self.tick_s = TICK_S if self._busy() else IDLE_TICK_S
+            due = loop.time() + self.tick_s
+            woken = False
+            if self.tick_s == TICK_S:
+                await asyncio.sleep(TICK_S)
+            else:
+                self._woken.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), IDLE_TICK_S)
+                    woken = True
             self._ticked = time.monotonic()
-            self._lag.observe(max(0.0, loop.time() - due))
+            if not woken:  # woken early, it was not late
+                self._lag.observe(max(0.0, loop.time() - due))
 
     def _report_stalls(self, loop_thread: int, stall_s: float) -> None:
         """Log the loop thread's stack once per stall longer than `stall_s` (beyond the tick)."""
         reported_tick = None
         while not self._stop.wait(stall_s / 4):
             ticked = self._ticked
-            held = time.monotonic() - ticked - TICK_S
+            held = time.monotonic() - ticked - self.tick_s
             if held < stall_s or ticked == reported_tick:
                 continue
             reported_tick = ticked

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gateway.loopwatch import LoopWatch, freeze_startup_objects
+from gateway.loopwatch import IDLE_TICK_S, TICK_S, LoopWatch, freeze_startup_objects
 from gateway.metrics import GatewayMetrics
 
 
@@ -45,6 +45,32 @@ async def test_a_held_loop_and_a_full_collection_are_observed(
     stalls = [r for r in caplog.records if "event loop held" in r.getMessage()]
     assert len(stalls) == 1 and watch.stalls_reported == 1
     assert "time.sleep(0.12)" in stalls[0].getMessage()
+
+
+@pytest.mark.asyncio
+async def test_with_no_call_the_watch_ticks_once_a_second_and_a_new_call_wakes_it() -> None:
+    metrics = GatewayMetrics()
+    calls: list[str] = []
+    watch = LoopWatch(metrics.loop_lag, metrics.gc_pause, busy=lambda: bool(calls))
+    loop = asyncio.get_running_loop()
+    watch.start()
+    try:
+        await asyncio.sleep(0)  # the watch runs to its first timer
+        assert watch.tick_s == IDLE_TICK_S
+        assert count(metrics, "omni_event_loop_lag_seconds_count") == 0
+        calls.append("call")
+        woken_at = loop.time()
+        watch.wake()
+        while count(metrics, "omni_event_loop_lag_seconds_count") < 3:
+            assert loop.time() - woken_at < IDLE_TICK_S / 2  # not after the idle second
+            await asyncio.sleep(0.005)
+        assert watch.tick_s == TICK_S
+        calls.clear()  # the call ended: back to the idle timer after the tick in progress
+        while watch.tick_s != IDLE_TICK_S:
+            assert loop.time() - woken_at < 5
+            await asyncio.sleep(0.005)
+    finally:
+        await watch.stop()
 
 
 def test_start_up_objects_are_frozen_out_of_collections() -> None:
