@@ -72,7 +72,7 @@ class GatewayMetrics:
         self.loop_lag = Histogram(
             "omni_event_loop_lag_seconds",
             "How late the gateway's event loop woke a 20 ms timer (every call's audio waits "
-            "as long)",
+            "as long); with no call, a 1 s timer",
             buckets=STALL_BUCKETS,
             registry=r,
         )
