@@ -145,8 +145,9 @@ def table(result: dict[str, Any]) -> str:
 
 def measure(config: Path, settle_s: float, seconds: int) -> dict[str, Any]:
     with Service(config, echo=True) as service:
-        url, _ = service.started()
+        url, gateways = service.started()
         names = stage_pids(service.seen)
+        names |= {pid: name for name, pid in gateways.items() if name != "gateway"}  # gateway.N
         log(f"serving on {url}; settling for {settle_s:.0f} s")
         time.sleep(settle_s)  # a wait of a set length is what is measured, not a sync
         log(f"reading every process's CPU time each second for {seconds} s")
