@@ -57,6 +57,13 @@ class PassLog:
             self._reset(now)
 
 
+def spread_ms(seconds: list[float], percentiles: tuple[int, ...] = (50, 95, 99)) -> str:
+    """`p50 X ms, p95 Y ms, ..., max Z ms` of `seconds` (one or more)."""
+    values = np.percentile(seconds, percentiles) * 1000
+    parts = [f"p{q} {v:.1f} ms" for q, v in zip(percentiles, values, strict=True)]
+    return ", ".join([*parts, f"max {1000 * max(seconds):.1f} ms"])
+
+
 class LatencyLog:
     """`add(seconds)` for every event; every `every_s`, if any came, one line with how many
     and their p50, p95, p99 and max in milliseconds."""
@@ -73,15 +80,11 @@ class LatencyLog:
             now = time.monotonic()
             if now - self.since < self.every_s:
                 return
-            p50, p95, p99 = np.percentile(self.samples, [50, 95, 99]) * 1000
             logger.info(
-                "%s: %d in %.0f s, p50 %.1f ms, p95 %.1f ms, p99 %.1f ms, max %.1f ms",
+                "%s: %d in %.0f s, %s",
                 self.what,
                 len(self.samples),
                 now - self.since,
-                p50,
-                p95,
-                p99,
-                1000 * max(self.samples),
+                spread_ms(self.samples),
             )
             self.since, self.samples = now, []

@@ -23,9 +23,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-
 from stages.backends.tiny_chat_model import has_random_weights
+from stages.passlog import spread_ms
 from stages.rundir import owned_folder
 
 # vLLM is imported lazily (importing it takes ~10 s) and, the first time, in a thread of its own:
@@ -135,11 +134,7 @@ class _StepLog:
 
 
 def _spread(what: str, seconds: list[float]) -> str:
-    if not seconds:
-        return f"{what} 0"
-    p50, p99 = np.percentile(seconds, [50, 99]) * 1000
-    top = 1000 * max(seconds)
-    return f"{what} {len(seconds)}, p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {top:.1f} ms"
+    return f"{what} {len(seconds)}, {spread_ms(seconds, (50, 99))}" if seconds else f"{what} 0"
 
 
 class _KvUsageMonitor:
