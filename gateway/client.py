@@ -35,6 +35,7 @@ from aiortc.mediastreams import MediaStreamError
 from av import AudioFrame
 
 from stages.audio import read_wav, resample
+from stages.tasks import cancel_and_wait
 
 RATE = 48_000
 FRAME = 960  # 20 ms at 48 kHz
@@ -129,9 +130,7 @@ class Speaker:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
 
 class RealtimeCall:

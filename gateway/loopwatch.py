@@ -30,6 +30,8 @@ from typing import Any
 
 from prometheus_client import Histogram
 
+from stages.tasks import cancel_and_wait
+
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.02  # the frame period: a lag is what a frame due now waits
@@ -102,9 +104,7 @@ class LoopWatch:
         if self._reporter is not None:
             await asyncio.to_thread(self._reporter.join)
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     def wake(self) -> None:
         """A call has come: tick at the frame period from now, not after the idle timer."""

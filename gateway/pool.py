@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client import multiprocess
 
-from stages.rings import RingNames
+from gateway.gateway_process import GatewayProcessSpec, gateway_process_main
 from stages.supervisor import Supervisor, terminate
 
 logger = logging.getLogger(__name__)
@@ -29,19 +29,6 @@ _ctx = mp.get_context("spawn")
 
 START_TIMEOUT_S = 60.0
 READY_POLL_S = 0.5  # how often the processes' view of the stages' health is refreshed
-
-
-@dataclass(frozen=True)
-class GatewayProcessSpec:
-    """What a gateway process is started with (picklable for spawn)."""
-
-    instance: str  # 'gateway.1', ...
-    config: dict[str, Any]  # OmniConfig, dumped; gateway.port is the port actually bound
-    names: RingNames
-    vocoder_rate: int
-    socket_dir: str
-    signing_key: bytes
-    log_level: int
 
 
 @dataclass
@@ -84,8 +71,6 @@ class GatewayPool:
         self._watcher.start()
 
     def _spawn(self, worker: _Worker) -> None:
-        from gateway.server import gateway_process_main
-
         parent, child = _ctx.Pipe(duplex=False)
         worker.process = _ctx.Process(
             target=gateway_process_main,

@@ -1,47 +1,31 @@
 """Serving the gateway next to a running supervisor (what `omni-gateway start` runs): in this
-process, and with `gateway.processes` > 1 in more processes on the same port (gateway.pool)."""
+process, and with `gateway.processes` > 1 in more processes on the same port (gateway.pool,
+gateway.gateway_process)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import signal
-import sys
 from collections.abc import AsyncIterator, Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 from aiohttp import web
 
-from gateway import aiortc_tuning
 from gateway.app import create_app
 from gateway.config import OmniConfig
-from gateway.ice import restrict_host_addresses
+from gateway.gateway_process import GatewayProcessSpec
+from gateway.media import prepare_media
 from gateway.page import add_page_routes
-from gateway.pool import GatewayPool, GatewayProcessSpec
+from gateway.pool import GatewayPool
 from gateway.siblings import socket_path
 from stages.rings import GATEWAY
 from stages.rundir import owned_temporary
 from stages.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
-
-PARENT_CHECK_S = 0.5  # how often a gateway process checks that `omni-gateway start` lives
-
-
-def prepare_media(config: OmniConfig) -> None:
-    """Process-wide aiortc/aioice settings; before the first peer connection."""
-    gateway = config.gateway
-    aiortc_tuning.apply(
-        gateway.audio_prefetch,
-        gateway.opus,
-        gateway.udp_reads_per_wake,
-        decode_on_loop=gateway.audio_decode == "loop",
-    )
-    restrict_host_addresses(gateway.ice_host_addresses)
 
 
 def vocoder_rate(supervisor: Supervisor) -> int:
@@ -133,51 +117,3 @@ async def gateway_processes(
             if pool is not None:
                 await loop.run_in_executor(None, pool.stop)
             await runner.cleanup()
-
-
-def gateway_process_main(spec: GatewayProcessSpec, ready: Any, conn: Connection) -> None:
-    """Entry point of a gateway process after the first: serve until SIGTERM (or until
-    `omni-gateway start` is gone)."""
-    logging.basicConfig(
-        level=spec.log_level,
-        format=f"%(asctime)s {spec.instance} %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    # Ctrl-C reaches the whole process group; the first process stops this one with SIGTERM
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = OmniConfig.model_validate(spec.config)
-    asyncio.run(_serve_process(spec, config, lambda: bool(ready.value), conn))
-
-
-async def _serve_process(
-    spec: GatewayProcessSpec, config: OmniConfig, is_ready: Callable[[], bool], conn: Connection
-) -> None:
-    prepare_media(config)
-    app = create_app(
-        config,
-        spec.names,
-        spec.vocoder_rate,
-        is_ready,
-        instance=spec.instance,
-        socket_dir=spec.socket_dir,
-        signing_key=spec.signing_key,
-    )
-    add_page_routes(app)
-    runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    parent = os.getppid()
-    try:
-        host, port = config.gateway.host, config.gateway.port
-        await web.TCPSite(runner, host, port, reuse_port=True).start()
-        await web.UnixSite(runner, str(socket_path(spec.socket_dir, spec.instance))).start()
-        conn.send({"pid": os.getpid()})
-        conn.close()
-        # killed outright, `omni-gateway start` cannot stop us: notice being re-parented
-        while not stop.is_set() and os.getppid() == parent:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), PARENT_CHECK_S)
-    finally:
-        await runner.cleanup()

@@ -14,7 +14,8 @@ from aiohttp import web
 from gateway import events as ev
 from gateway.protocol import OUTPUT_RATE, ProtocolError, unsupported
 from gateway.resample import Upsampler
-from stages.link import PipelineLink, StageEvent
+from stages.envelope import Envelope
+from stages.link import PipelineLink
 from stages.messages import Kind
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
@@ -91,11 +92,11 @@ class Utterance:
         self.link = link
         self.session = session
         self.call_id = f"speech-{session}"
-        self.queue: asyncio.Queue[StageEvent] = asyncio.Queue()
+        self.queue: asyncio.Queue[Envelope] = asyncio.Queue()
         self.resampler = Upsampler(vocoder_rate, OUTPUT_RATE)
         self.done = False
 
-    def on_stage_event(self, event: StageEvent) -> None:
+    def on_stage_event(self, event: Envelope) -> None:
         self.queue.put_nowait(event)
 
     async def audio(self, text: str) -> Any:

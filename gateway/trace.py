@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from stages.envelope import Envelope
 from stages.messages import RAW_KINDS, Kind, decode, encode
 
 _LENGTH = struct.Struct("<I")
@@ -55,17 +56,17 @@ class StageTrace:
 
     def record(
         self,
-        event: Any,  # stages.link.StageEvent
+        event: Envelope,
         call_id: str | None,
         cancel_sent_ns: int | None = None,
     ) -> None:
         kind = Kind(event.kind)
-        payload = b"" if kind in RAW_KINDS else encode(event.msg)[1]
+        payload = b"" if isinstance(event.msg, (bytes, memoryview)) else encode(event.msg)[1]
         entry = TraceEntry(
             time.monotonic_ns(),
             call_id,
             event.session,
-            event.stage,
+            event.src,
             int(kind),
             event.t_ns,
             payload,

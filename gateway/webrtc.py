@@ -11,10 +11,9 @@ import numpy as np
 from aiortc import MediaStreamTrack, RTCDataChannel, RTCPeerConnection
 from aiortc.mediastreams import MediaStreamError
 
-from gateway import events as ev
 from gateway.playout import PLAYOUT_RATE, PlayoutTrack
 from gateway.resample import Downmixer, Upsampler
-from gateway.session import ActiveResponse, RealtimeSession
+from gateway.session import RealtimeSession, Reply
 
 EVENTS_CHANNEL = "oai-events"
 
@@ -100,14 +99,14 @@ class WebRTCTransport:
 
     # -- agent audio -----------------------------------------------------------------------
 
-    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None:
-        if response.playback_start is None:
+    def play(self, reply: Reply, pcm: np.ndarray) -> None:
+        if reply.playback_start is None:
             self.upsampler.reset()
-            response.playback_start = self.playout.played_samples + self.playout.queued_samples
+            reply.playback_start = self.playout.played_samples + self.playout.queued_samples
         self.playout.enqueue(self.upsampler.convert(pcm))
 
-    def finish(self, response: ActiveResponse) -> None:
-        self.playout.enqueue(self.upsampler.flush(), mark=("done", response.response_id))
+    def finish(self, reply: Reply) -> None:
+        self.playout.enqueue(self.upsampler.flush(), mark=("done", reply.response_id))
 
     def hold(self, held: bool) -> None:
         self.playout.held = held
@@ -116,22 +115,20 @@ class WebRTCTransport:
         self.playout.clear()
         self.upsampler.reset()
 
-    def heard_samples(self, response: ActiveResponse) -> int:
-        if response.playback_start is None:
+    def heard_samples(self, reply: Reply) -> int:
+        if reply.playback_start is None:
             return 0
-        played = max(0, self.playout.played_samples - response.playback_start)
+        played = max(0, self.playout.played_samples - reply.playback_start)
         return played * self.session.vocoder_rate // self.playout.rate
 
     def _playout_started(self) -> None:
-        response = self.session.response
-        if response is not None:
-            self.session.send(
-                ev.event("output_audio_buffer.started", response_id=response.response_id)
-            )
+        reply = self.session.reply
+        if reply is not None and reply.response_id is not None:
+            self.session.outbox.output_buffer_started(reply.response_id)
 
     def _played_mark(self, mark: object) -> None:
         if isinstance(mark, tuple) and mark[0] == "done":
-            self.session.send(ev.event("output_audio_buffer.stopped", response_id=mark[1]))
+            self.session.outbox.output_buffer_stopped(mark[1])
             self.session.playback_done(mark[1])
 
     async def close(self) -> None:

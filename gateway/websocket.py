@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from gateway import events as ev
 from gateway.protocol import OPUS, OUTPUT_RATE
 from gateway.resample import Upsampler
-from gateway.session import MAX_EVENT_BYTES, ActiveResponse, RealtimeSession
+from gateway.session import MAX_EVENT_BYTES, RealtimeSession, Reply
+from stages.tasks import cancel_and_wait
 
 SUBPROTOCOL = "realtime"
 MAX_QUEUED_EVENTS = 10_000  # a client that stops reading is dropped past this
@@ -50,15 +50,15 @@ class WebSocketTransport:
         except (ConnectionError, RuntimeError):
             await self.session.close("websocket write failed")
 
-    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None:
-        if response.playback_start is None:
+    def play(self, reply: Reply, pcm: np.ndarray) -> None:
+        if reply.playback_start is None:
             self.resampler.reset()
             if self.session.config.output_format == OPUS:
                 self.session.opus.reset()
-            response.playback_start = time.monotonic()
-        self._delta(response, self.resampler.convert(pcm))
+            reply.playback_start = time.monotonic()
+        self._delta(reply, self.resampler.convert(pcm))
 
-    def _delta(self, response: ActiveResponse, pcm24k: np.ndarray, last: bool = False) -> None:
+    def _delta(self, reply: Reply, pcm24k: np.ndarray, last: bool = False) -> None:
         if self.session.config.output_format == OPUS:  # one 20 ms packet per delta
             payloads = self.session.opus.encode(pcm24k)
             if last:
@@ -66,20 +66,12 @@ class WebSocketTransport:
         else:
             payloads = [pcm24k.astype("<i2").tobytes()] if len(pcm24k) else []
         for payload in payloads:
-            self.send_event(
-                ev.event(
-                    "response.output_audio.delta",
-                    response_id=response.response_id,
-                    item_id=response.item.id,
-                    output_index=0,
-                    content_index=0,
-                    delta=base64.b64encode(payload).decode(),
-                )
-            )
+            self.session.outbox.output_audio_delta(reply, base64.b64encode(payload).decode())
 
-    def finish(self, response: ActiveResponse) -> None:
-        self._delta(response, self.resampler.flush(), last=True)
-        self.session.playback_done(response.response_id)  # the client holds the rest
+    def finish(self, reply: Reply) -> None:
+        self._delta(reply, self.resampler.flush(), last=True)
+        assert reply.response_id is not None
+        self.session.playback_done(reply.response_id)  # the client holds the rest
 
     def clear(self) -> None:
         self.resampler.reset()
@@ -89,19 +81,17 @@ class WebSocketTransport:
     def hold(self, held: bool) -> None:
         """The client plays (and holds) the audio it was sent; nothing to pause here."""
 
-    def heard_samples(self, response: ActiveResponse) -> int:
-        if response.playback_start is None:
+    def heard_samples(self, reply: Reply) -> int:
+        if reply.playback_start is None:
             return 0
-        elapsed = time.monotonic() - response.playback_start
-        return min(response.samples, int(elapsed * self.session.vocoder_rate))
+        elapsed = time.monotonic() - reply.playback_start
+        return min(reply.samples, int(elapsed * self.session.vocoder_rate))
 
     async def close(self) -> None:
         # stop the writer, then let what is still queued (the last events) go out in order,
         # briefly, and close
         if self._writer is not asyncio.current_task():  # (a failed write closes from it)
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+            await cancel_and_wait(self._writer)
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError, RuntimeError):
             async with asyncio.timeout(1.0):
                 while not self._out.empty() and not self.ws.closed:
@@ -120,8 +110,8 @@ async def serve_websocket(
             if msg.type is WSMsgType.TEXT:
                 session.on_client_message(msg.data)
             elif msg.type is WSMsgType.BINARY:
-                session.send(
-                    ev.error("events are JSON text frames, not binary", code="invalid_event")
+                session.outbox.error(
+                    "events are JSON text frames, not binary", code="invalid_event"
                 )
             elif msg.type is WSMsgType.ERROR:
                 break

@@ -163,7 +163,7 @@ class MonolithicPipeline:
         return int(self.voice.sample_rate)
 
     def conversation(self, session: int) -> Any:
-        from stages.reasoning import Conversation
+        from stages.conversation import Conversation
 
         if session not in self._conversations:
             cfg = self.config.reasoning

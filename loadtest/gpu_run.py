@@ -1,5 +1,6 @@
 """The GPU run: the whole pipeline with real-size (random-weight) models, measured as callers
-feel it, for each GPU layout side by side in one run.
+feel it, for each GPU layout side by side in one run. (One long module on purpose: it is the
+one script a lent GPU machine runs, variants, loads and the JSON they make, end to end.)
 
     python -m loadtest.gpu_run [--layouts one,tp2] [--loads 1,8,32] [--out DIR]
 
@@ -130,7 +131,7 @@ class Tap:
                     time.monotonic_ns(),
                     call_id,
                     event.session,
-                    event.stage,
+                    event.src,
                     event.kind,
                     event.t_ns,
                     msg,

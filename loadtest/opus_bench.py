@@ -34,9 +34,10 @@ from av import AudioFrame
 
 from gateway import aiortc_tuning
 from gateway.config import load_config
+from gateway.media import prepare_media
 from gateway.opus import OpuslibDecoder, OpuslibEncoder, opus_rate_for
 from gateway.resample import CALLER_RATE, Downmixer, Upsampler
-from gateway.server import build_app, prepare_media
+from gateway.server import build_app
 from loadtest.voices import spoken
 from stages.supervisor import Supervisor
 

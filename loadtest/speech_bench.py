@@ -23,7 +23,8 @@ import aiohttp
 from aiohttp import web
 
 from gateway.config import load_config
-from gateway.server import build_app, prepare_media
+from gateway.media import prepare_media
+from gateway.server import build_app
 from stages.supervisor import Supervisor
 
 TEXTS = {

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.reasoning import _CancelHops
+from stages.passlog import CancelHops
 
 _NUM = r"([0-9.]+)"
 _OWN = re.compile(r"^\[(\d\d):(\d\d):(\d\d)\] (.*)$")
@@ -163,7 +163,7 @@ def table(report: dict[str, dict[str, dict[str, Any]]]) -> str:
         " replies a pass, ms a pass |"
     )
     rows = [head, "|---|---|---|---|---|---|---|"]
-    hops = [log.what for log in _CancelHops().logs]
+    hops = [log.what for log in CancelHops().logs]
     audio = (
         "first audio after the first phrase, replies made at the pause",
         "first audio after the first phrase, other replies",

@@ -200,7 +200,7 @@ class PipelineConfig(Strict):
         default_factory=dict,
         description="under MPS, the share of the GPU's SMs a stage's kernels may use at once "
         "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its processes); unset: all of them. An "
-        "experiment: every cap tried on an H200 made replies late (docs/gpu.md)",
+        "experiment: the caps make replies late (docs/gpu.md)",
     )
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stages.link import EventQueues, PipelineLink, StageEvent
+from stages.envelope import Envelope
+from stages.link import EventQueues, PipelineLink
 from stages.messages import Kind
 
 CHUNK_SAMPLES = 3200  # 200 ms at 16 kHz
@@ -27,7 +28,7 @@ class TurnResult:
     sample_rate: int = 0
     # CLOCK_MONOTONIC ns of each milestone, from the record headers (one clock for all)
     t_ns: dict[str, int] = field(default_factory=dict)
-    events: list[StageEvent] = field(default_factory=list)
+    events: list[Envelope] = field(default_factory=list)
 
     @property
     def pcm16(self) -> np.ndarray:

@@ -4,26 +4,27 @@ The model loop only routes: recognition runs on per-session lanes (stages.lanes)
 acknowledged at once while another session's turn is still being decoded.
 
 At a TURN_PAUSED the turn so far is transcribed (a backend whose stream can `peek`) and sent to
-reasoning, which starts the reply on it; audio after the pause is held back. If the turn then
-ends, that transcript is the final one, with no decode left to do; if the caller goes on
-(TURN_RESUMED), reasoning drops its start and the held audio is decoded.
+reasoning, which starts the reply on it (stages.prepared).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from stages.backends.speech import RecognizerStream, SpeechRecognizer
 from stages.config import EncoderConfig
+from stages.envelope import Envelope
 from stages.lanes import SessionLanes
-from stages.messages import Kind, SpeechStopped, Transcript, TurnResumed
+from stages.messages import SpeechStarted, SpeechStopped, Transcript, TurnPaused, TurnResumed
+from stages.prepared import PausedTurn
 from stages.rings import GATEWAY
-from stages.worker import Inbound, QueuedStage, ends_state
+from stages.stage import QueuedStage
+from stages.stops import Stop
 
 logger = logging.getLogger(__name__)
 
@@ -57,19 +58,14 @@ class Turn:
     stopped_ns: int = 0  # stamp of the SPEECH_STOPPED record that ends the turn
     # recognizer time after that stamp: the audio still being decoded, then the final decode
     model_after_stop_ns: int = 0
-    # set at a TURN_PAUSED: the transcript of the turn so far, sent to reasoning to start on;
-    # the final one if the turn ends before the caller says more
-    early_text: str | None = None
-    # audio after the pause (silence, as far as the VAD is concerned): fed only if the caller
-    # goes on, so that an early transcript stays the turn's final one
-    held: list[np.ndarray] = field(default_factory=list)
+    paused: PausedTurn | None = None  # since a TURN_PAUSED, until the caller goes on
 
 
 class EncoderStage(QueuedStage):
     name = "encoder"
-    # Its pump does nothing, so taking every waiting record at once gains nothing; on 2 cores
-    # it made the final decode slower (p50 270-330 ms against 350-570 ms at 2 callers): the
-    # loop's bursts of hand-offs to the lanes contend for the GIL with their decoding.
+    # Its pump does nothing, so taking every waiting record at once gains nothing, and on 2
+    # cores it makes the final decode slower: the loop's bursts of hand-offs to the lanes
+    # contend for the GIL with their decoding.
     records_a_pump = 1
 
     def load(self) -> dict[str, Any]:
@@ -93,32 +89,37 @@ class EncoderStage(QueuedStage):
             self.lanes.close(wait=True)
         super().close()
 
-    def handle(self, item: Inbound) -> None:
-        s = item.session
-        if item.kind is Kind.AUDIO_IN:
-            turn = self.turns.get(s) or self._open(s, -1, item.epoch)
-            pcm = np.frombuffer(item.msg, dtype=np.int16)
-            self.lanes.submit(s, lambda: self._feed(s, turn, pcm))
-        elif item.kind is Kind.SPEECH_STARTED:
-            self._open(s, item.msg.turn_id, item.epoch)
-        elif item.kind is Kind.SPEECH_STOPPED:
-            turn = self.turns.pop(s, None)
-            if turn is not None:
-                turn.stopped_ns = item.t_ns
-            self.lanes.submit(s, lambda: self._finish(s, turn, item))
-        elif item.kind in (Kind.TURN_PAUSED, Kind.TURN_RESUMED):
-            turn = self.turns.get(s)
-            if turn is not None and turn.turn_id == item.msg.turn_id:
-                job = self._early if item.kind is Kind.TURN_PAUSED else self._resume
-                self.lanes.submit(s, lambda: job(s, turn, item))
-        elif item.kind in (Kind.CANCEL, Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
-            # stale audio is gone from the ring already; a turn begun before a cancel is
-            # dropped, the speech that caused it (its epoch) is kept
-            turn = self.turns.get(s)
-            if turn is not None and ends_state(item, turn.epoch):
-                self._drop(s)
-            if item.kind is Kind.CANCEL:
-                self.ack(s, item.msg.cancel_id)
+    def handle(self, env: Envelope) -> None:
+        s, msg = env.session, env.msg
+        match msg:
+            case SpeechStarted():
+                self._open(s, msg.turn_id, env.epoch)
+            case SpeechStopped():
+                turn = self.turns.pop(s, None)
+                if turn is not None:
+                    turn.stopped_ns = env.t_ns
+                self.lanes.submit(s, lambda: self._finish(s, turn, env))
+            case TurnPaused():
+                turn = self.turns.get(s)
+                if turn is not None and turn.turn_id == msg.turn_id:
+                    self.lanes.submit(s, lambda: self._pause(s, turn, msg))
+            case memoryview() | bytes():  # AUDIO_IN
+                turn = self.turns.get(s) or self._open(s, -1, env.epoch)
+                pcm = np.frombuffer(msg, dtype=np.int16)
+                self.lanes.submit(s, lambda: self._feed(s, turn, pcm))
+
+    def on_stop(self, session: int, stop: Stop) -> None:
+        """A cancel (or the session's open or close) drops a turn begun before it (stale audio
+        is gone from the ring already; the speech that caused a cancel is in its epoch and
+        kept); the caller going on after a pause undoes the pause."""
+        turn = self.turns.get(session)
+        if turn is not None:
+            if stop.ends(turn.epoch):
+                self._drop(session)
+            elif stop.ends_prepared(turn.turn_id, turn.epoch):
+                self.lanes.submit(session, lambda: self._resume(session, turn))
+        if stop.cancel is not None:
+            self.ack(session, stop.cancel)
 
     def _open(self, session: int, turn_id: int, epoch: int) -> Turn:
         self._drop(session)
@@ -147,8 +148,8 @@ class EncoderStage(QueuedStage):
     def _feed(self, session: int, turn: Turn, pcm: np.ndarray) -> None:
         if turn.dropped:
             return
-        if turn.early_text is not None:
-            turn.held.append(pcm)
+        if turn.paused is not None:
+            turn.paused.audio.append(pcm)
             return
         t0 = time.monotonic_ns()
         partial = self._stream(turn).feed(pcm)
@@ -170,42 +171,42 @@ class EncoderStage(QueuedStage):
                 0, time.monotonic_ns() - max(started_ns, turn.stopped_ns)
             )
 
-    def _early(self, session: int, turn: Turn, item: Inbound) -> None:
+    def _pause(self, session: int, turn: Turn, paused: TurnPaused) -> None:
         """At a pause: transcribe the turn so far and let reasoning start on it."""
-        if turn.dropped or turn.early_text is not None:
+        if turn.dropped or turn.paused is not None:
             return
         peek = getattr(self._stream(turn), "peek", None)
         if peek is None:  # this backend cannot transcribe a turn that goes on
             return
         t0 = time.monotonic_ns()
-        turn.early_text = peek()
+        turn.paused = PausedTurn(peek())
         self._count_model_time(turn, t0)  # a turn that ended meanwhile waits for it
         early = Transcript(
             turn.turn_id,
-            turn.early_text,
+            turn.paused.text,
             final=True,
-            create_response=item.msg.create_response,
+            create_response=paused.create_response,
             speculative=True,
         )
         self.send("reasoning", session, early, epoch=turn.epoch)
 
-    def _resume(self, session: int, turn: Turn, item: Inbound) -> None:
+    def _resume(self, session: int, turn: Turn) -> None:
         """The caller went on: reasoning drops its early start, the held audio is decoded."""
-        if turn.dropped or turn.early_text is None:
+        if turn.dropped or turn.paused is None:
             return
-        turn.early_text = None
+        paused, turn.paused = turn.paused, None
         self.send("reasoning", session, TurnResumed(turn.turn_id), epoch=turn.epoch)
-        held, turn.held = turn.held, []
-        for pcm in held:
+        for pcm in paused.audio:
             self._feed(session, turn, pcm)
 
-    def _finish(self, session: int, turn: Turn | None, item: Inbound) -> None:
-        msg: SpeechStopped = item.msg
+    def _finish(self, session: int, turn: Turn | None, env: Envelope) -> None:
+        msg = env.msg
+        assert isinstance(msg, SpeechStopped)
         text, decode_ns = "", 0
         if turn is not None:
             try:
-                if turn.early_text is not None:  # nothing said since: the early one it is
-                    text = "" if turn.dropped else turn.early_text
+                if turn.paused is not None:  # nothing said since: the one at the pause it is
+                    text = "" if turn.dropped else turn.paused.text
                 elif not turn.dropped:
                     t0 = time.monotonic_ns()
                     text = self._stream(turn).finish()
@@ -218,8 +219,8 @@ class EncoderStage(QueuedStage):
             text,
             final=True,
             create_response=msg.create_response,
-            speech_stopped_ns=item.t_ns,
+            speech_stopped_ns=env.t_ns,
             decode_ns=decode_ns,
         )
-        self.send(GATEWAY, session, final, epoch=item.epoch)
-        self.send("reasoning", session, final, epoch=item.epoch)
+        self.send(GATEWAY, session, final, epoch=env.epoch)
+        self.send("reasoning", session, final, epoch=env.epoch)

@@ -12,14 +12,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from shm import PeerDiedError
+from stages.envelope import Envelope, RingReader
 from stages.messages import (
-    BadRecord,
     Cancel,
     History,
     HistoryMessage,
@@ -38,7 +36,6 @@ from stages.messages import (
     Truncate,
     TurnPaused,
     TurnResumed,
-    decode,
 )
 from stages.rings import GATEWAY, STAGES, RingNames, attach_ends
 
@@ -49,26 +46,13 @@ class SessionsFull(RuntimeError):
     """Every session slot of the pipeline is taken."""
 
 
-@dataclass(frozen=True, slots=True)
-class StageEvent:
-    """A record from a stage, decoded; `msg` is bytes for AUDIO_OUT."""
-
-    stage: str
-    session: int
-    kind: Kind
-    epoch: int
-    seq: int
-    t_ns: int
-    msg: Any
-
-
 class PipelineLink:
     """Attaches to the gateway's ends of the rings; `on_event` runs on reader threads."""
 
     def __init__(
         self,
         names: RingNames,
-        on_event: Callable[[StageEvent], None],
+        on_event: Callable[[Envelope], None],
         instance: str = GATEWAY,
     ) -> None:
         """`instance`: which gateway process this is ('gateway', 'gateway.1', ...); it hands
@@ -76,45 +60,31 @@ class PipelineLink:
         self.names = names
         self.instance = instance
         self._stride = names.gateway_stride(instance)
-        self.control, self._inputs, self._outputs = attach_ends(names, instance)
+        self.ends = attach_ends(names, instance)
+        self.control = self.ends.control
         self.on_event = on_event
-        self._stop = threading.Event()
         self._cancel_ids = itertools.count(1)
         self._readers = [
-            threading.Thread(
-                target=self._read, args=(stage, ring), name=f"link<-{stage}", daemon=True
+            RingReader(
+                stage,
+                ring,
+                on_event,
+                name=f"link<-{stage}",
+                on_bad=lambda session, why: logger.error("bad record: %s", why),
+                on_failure=lambda session, kind, exc: logger.error(
+                    "handling a %s record failed", kind, exc_info=exc
+                ),
             )
-            for stage, ring in self._inputs.items()
+            for stage, ring in self.ends.inputs.items()
         ]
-        for t in self._readers:
-            t.start()
-
-    def _read(self, stage: str, ring: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                rec = ring.pop(timeout=0.25)
-            except PeerDiedError as exc:
-                logger.warning("%s", exc)
-                continue
-            if rec is None:
-                continue
-            try:
-                msg = decode(rec.kind, rec.payload)
-                self.on_event(
-                    StageEvent(
-                        stage, rec.session, Kind(rec.kind), rec.epoch, rec.seq, rec.t_ns, msg
-                    )
-                )
-            except BadRecord as exc:
-                logger.error("bad record from %s: %s", stage, exc)
-            except Exception:  # a faulty handler must not stop the reader
-                logger.exception("handling a %s record from %s failed", rec.kind, stage)
+        for reader in self._readers:
+            reader.start()
 
     def _send(self, stage: str, session: int, msg: Msg) -> None:
         """Send to the instance of role `stage` that serves `session`."""
-        instance = self.names.instance_for(stage, session)
-        if not self._outputs[instance].send(session, msg, timeout=1.0):
-            raise RuntimeError(f"ring to {instance} is full: is the {instance} stage stuck?")
+        outbox = self.ends.outbox(stage, session)
+        if not outbox.send(session, msg, timeout=1.0):
+            raise RuntimeError(f"ring to {outbox.dst} is full: is the {outbox.dst} stage stuck?")
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -142,7 +112,8 @@ class PipelineLink:
     def send_audio(self, session: int, pcm16: np.ndarray | bytes) -> bool:
         """Push PCM16 mono 16 kHz; False if the encoder's ring stayed full (audio dropped)."""
         payload = pcm16 if isinstance(pcm16, bytes) else np.ascontiguousarray(pcm16, np.int16)
-        return self._outputs["encoder"].push(session, Kind.AUDIO_IN, payload, timeout=0.2)
+        encoder = self.ends.outbox("encoder", session)
+        return encoder.push(session, Kind.AUDIO_IN, payload, timeout=0.2)
 
     def speech_started(self, session: int, turn_id: int, audio_start_ms: int = 0) -> None:
         self._send("encoder", session, SpeechStarted(turn_id, audio_start_ms))
@@ -225,66 +196,31 @@ class PipelineLink:
 
     def rings(self) -> dict[str, Any]:
         """This end's rings by name ('encoder->gateway', ...), for metrics."""
-        out = {f"{src}->{self.instance}": ring for src, ring in self._inputs.items()}
-        out.update({f"{self.instance}->{dst}": o.ring for dst, o in self._outputs.items()})
-        return out
+        return dict(self.ends.rings())
 
     def close(self) -> None:
-        self._stop.set()
-        for t in self._readers:
-            t.join(1)
-        for ring in self._inputs.values():
-            ring.close()
-        for out in self._outputs.values():
-            out.ring.close()
-        self.control.close()
+        for reader in self._readers:
+            reader.stop()
+        self.ends.close()
 
 
 class EventQueues:
     """An `on_event` sink with a queue per session, for code that waits on events."""
 
     def __init__(self) -> None:
-        self._queues: dict[int, queue.SimpleQueue[StageEvent]] = {}
+        self._queues: dict[int, queue.SimpleQueue[Envelope]] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, event: StageEvent) -> None:
+    def __call__(self, event: Envelope) -> None:
         self.queue(event.session).put(event)
 
-    def queue(self, session: int) -> queue.SimpleQueue[StageEvent]:
+    def queue(self, session: int) -> queue.SimpleQueue[Envelope]:
         with self._lock:
             return self._queues.setdefault(session, queue.SimpleQueue())
 
-    def next(self, session: int, timeout: float) -> StageEvent:
+    def next(self, session: int, timeout: float) -> Envelope:
         """The session's next event; raises TimeoutError naming the wait."""
         try:
             return self.queue(session).get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"no event for session {session} within {timeout} s") from None
-
-
-@dataclass
-class SpokenTracker:
-    """Which text of a reply the caller has heard, from PHRASE marks and audio played."""
-
-    phrases: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, text)
-    samples: int = 0
-
-    def phrase(self, text: str) -> None:
-        self.phrases.append((self.samples, self.samples, text))
-
-    def audio(self, n_samples: int) -> None:
-        self.samples += n_samples
-        if self.phrases:
-            start, _, text = self.phrases[-1]
-            self.phrases[-1] = (start, self.samples, text)
-
-    def heard(self, played_samples: int) -> str:
-        """Whole phrases played, plus the share of words of the one cut off."""
-        words: list[str] = []
-        for start, end, text in self.phrases:
-            if played_samples >= end:
-                words += text.split()
-            elif played_samples > start:
-                parts = text.split()
-                words += parts[: int(len(parts) * (played_samples - start) / (end - start))]
-        return " ".join(words)

@@ -1,9 +1,9 @@
 """A private CUDA MPS control daemon for stages that share a GPU.
 
 Without MPS, CUDA time-slices a GPU between processes: while vLLM and the vocoder keep it busy,
-each of Whisper's hundreds of small kernels waits for its process's turn, and a 110 ms final
-decode took 700 ms at 8 callers on an H200 (docs/benchmarks.md). Under MPS the stages' kernels
-run side by side in one hardware context instead.
+each of Whisper's hundreds of small kernels waits for its process's turn, and a final decode
+takes several times as long (docs/benchmarks.md). Under MPS the stages' kernels run side by
+side in one hardware context instead.
 
 The supervisor runs the daemon in the foreground as its child, with its pipe and log folders in
 a private temporary folder: stage processes find it through CUDA_MPS_PIPE_DIRECTORY, other
@@ -38,8 +38,8 @@ def thread_share_env(percent: int | None) -> dict[str, str]:
     """The environment that caps a client's kernels at `percent` of the GPU's SMs (None: no cap).
 
     A cap, not a reservation: the stages' caps may add up to more than 100. The idea was to
-    leave SMs free for Whisper's small kernels by capping the stages that keep the GPU busy; on
-    an H200 every cap tried made replies seconds late instead (docs/benchmarks.md).
+    leave SMs free for Whisper's small kernels by capping the stages that keep the GPU busy; the
+    caps make replies seconds late instead (docs/benchmarks.md), so none is set by default.
     """
     return {} if percent is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
 

@@ -88,3 +88,25 @@ class LatencyLog:
                 spread_ms(self.samples),
             )
             self.since, self.samples = now, []
+
+
+class CancelHops:
+    """Where a cancel of a reply being made spends its time in the reasoning stage, a log line
+    a hop every 10 s: from the gateway's push to the event loop reading it (ring, reader thread, a
+    busy loop), to vLLM's abort sent (the reply's task stopped), to the freed blocks seen (the
+    engine's step in flight; see `kv_usage_after_abort`)."""
+
+    HOPS = (
+        "CANCEL pushed to read on the event loop",
+        "read to vLLM's abort sent",
+        "abort sent to freed blocks seen",
+    )
+
+    def __init__(self) -> None:
+        self.logs = [LatencyLog(f"cancel of a reply being made: {hop}") for hop in self.HOPS]
+
+    def add(self, stamps: list[int]) -> None:
+        """As the ack goes out: `stamps` are pushed, read and abort sent (monotonic ns)."""
+        stamps = [*stamps, time.monotonic_ns()]
+        for log, start, end in zip(self.logs, stamps, stamps[1:], strict=False):
+            log.add((end - start) / 1e9)

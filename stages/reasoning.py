@@ -3,44 +3,54 @@ sessions (continuous batching). Each session keeps its conversation; a cancelled
 remembered only as far as the caller heard it.
 
 A reply can start early, on the transcript of the turn so far when the caller pauses
-(gateway.prepare_reply_ms): its records for the gateway are held back until the final
-transcript comes, then sent at once if the turn ended as it was, or the request is aborted if
-the caller went on. The vocoder gets them as they come and makes the reply's first audio
-meanwhile, held back too, until a RESPONSE_RELEASE says which way the turn went."""
+(stages.prepared): its records for the gateway are held back until the final transcript says
+which way the turn went; the vocoder gets them as they come.
+
+A dead vLLM engine (its engine core process gone) ends this stage with an error, so that the
+supervisor restarts it and tells its sessions, instead of failing every later turn."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from shm import epoch_older
-from stages.config import TINY_CHAT_MODEL, ReasoningConfig
+from stages.config import TINY_CHAT_MODEL, PipelineConfig, ReasoningConfig
+from stages.conversation import Conversation
+from stages.envelope import Envelope
 from stages.messages import (
     Cancel,
     History,
-    Kind,
     Msg,
     ResponseCreate,
     ResponseDone,
     ResponseRelease,
     ResponseStarted,
+    SessionOpen,
     SessionSettings,
     TextDelta,
     Transcript,
     Truncate,
 )
-from stages.passlog import LatencyLog
-from stages.rings import GATEWAY
-from stages.worker import Inbound, Stage, StageSpec, ends_state
+from stages.passlog import CancelHops
+from stages.prepared import EarlyReply, HeldBack
+from stages.rings import GATEWAY, Ends
+from stages.stage import Stage
+from stages.stops import Stop
+from stages.tasks import Tasks, cancel_and_wait
+
+if TYPE_CHECKING:
+    from stages.backends.llm_vllm import ReasoningEngine
+
+ENGINE_CHECK_S = 1.0  # how often an idle stage looks at the engine's health
 
 logger = logging.getLogger(__name__)
 
@@ -62,38 +72,6 @@ def resolve_model(config: ReasoningConfig) -> str:
 
 
 @dataclass
-class Conversation:
-    system_prompt: str
-    max_messages: int
-    messages: list[dict[str, str]] = field(default_factory=list)
-
-    def add(self, role: str, text: str) -> dict[str, str] | None:
-        """Append a message (none for empty text); returns it, to take it back by identity."""
-        if not text:
-            return None
-        message = {"role": role, "content": text}
-        self.messages.append(message)
-        del self.messages[: max(0, len(self.messages) - self.max_messages)]
-        return message
-
-    def take_back(self, message: dict[str, str] | None) -> None:
-        """Remove a message `add` returned (if the history still holds it)."""
-        for i, m in enumerate(self.messages):
-            if m is message:
-                del self.messages[i]
-                return
-
-    def replace(self, history: History) -> None:
-        self.messages = []
-        for m in history.messages:
-            self.add(m.role, m.text)
-
-    def prompt(self, instructions: str | None = None) -> list[dict[str, str]]:
-        system = {"role": "system", "content": instructions or self.system_prompt}
-        return [system, *self.messages]
-
-
-@dataclass
 class Response:
     response_id: str
     request_id: str
@@ -103,27 +81,15 @@ class Response:
     finished: bool = False
     recorded: bool = False  # its text is in the conversation (once, whoever stops it)
     recorded_as: dict[str, str] | None = None  # the message that holds it
-    # an early reply's records for the gateway, kept back until its turn ends (None: sent as
-    # they come); the vocoder's go at once, its audio is kept back there
-    held: list[Msg] | None = None
+    # an early reply's records for the gateway, kept back until its turn ends (None: a reply
+    # made as its turn ended); the vocoder's go at once, its audio is kept back there
+    held: HeldBack[Msg] | None = None
     dropped: bool = False  # an early reply dropped: its task's last records go nowhere
 
     def record(self, conversation: Conversation, text: str) -> None:
         if not self.recorded:
             self.recorded = True
             self.recorded_as = conversation.add("assistant", text)
-
-
-@dataclass
-class EarlyReply:
-    """A reply started at the caller's pause, on the transcript of the turn so far: released
-    if the turn ends with the same transcript, dropped (request aborted, its user and any
-    assistant message taken back) if the caller goes on."""
-
-    turn_id: int
-    text: str
-    asked: dict[str, str] | None  # the user message it answers
-    response: Response
 
 
 @dataclass
@@ -161,13 +127,15 @@ class ReplyOptions:
 class ReasoningStage(Stage):
     name = "reasoning"
 
-    def __init__(self, spec: StageSpec, stop: threading.Event) -> None:
-        super().__init__(spec, stop)
+    def __init__(self, config: PipelineConfig, ends: Ends, stop: threading.Event) -> None:
+        super().__init__(config, ends, stop)
         self.sessions: dict[int, SessionState] = {}
         self._request_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._cancel_hops = _CancelHops()
+        self.tasks = Tasks()
+        self._cancel_hops = CancelHops()
+        self._engine_failure: BaseException | None = None
+        self._wake: asyncio.Event | None = None
 
     def load(self) -> dict[str, Any]:
         from stages.backends.llm_vllm import ReasoningEngine
@@ -175,7 +143,7 @@ class ReasoningStage(Stage):
         cfg = self.config.reasoning
         self._loop = asyncio.new_event_loop()
         model = resolve_model(cfg)
-        self.engine = self._loop.run_until_complete(
+        self.engine: ReasoningEngine = self._loop.run_until_complete(
             ReasoningEngine.start(model, cfg.engine_args, cfg.sampling)
         )
         return {"model": model}
@@ -198,123 +166,142 @@ class ReasoningStage(Stage):
                 loop.run_until_complete(_settle(pending))
             finally:
                 loop.close()
+        if self._engine_failure is not None:
+            raise self._engine_failure  # a non-zero exit: the supervisor restarts the stage
 
     async def _shutdown_engine(self) -> None:
         self.engine.shutdown()  # blocks the loop for its few seconds: nothing else is served
 
     async def _run_until_stopped(self) -> None:
-        stopped = asyncio.Event()
+        """Until SIGTERM (or the stop flag, which the supervisor watch sets), or until the
+        engine dies."""
+        wake = self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()
 
         def on_sigterm() -> None:
             self.stop.set()
-            stopped.set()
+            wake.set()
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-        if not self.stop.is_set():
-            await stopped.wait()
+        while not self.stop.is_set() and self._engine_failure is None:
+            if self.engine.dead:
+                self._engine_died(self.engine.dead_error())
+                break
+            try:
+                await asyncio.wait_for(wake.wait(), ENGINE_CHECK_S)
+            except TimeoutError:
+                continue
         for state in self.sessions.values():
-            await self._stop_response(state)
+            if state.response is not None:
+                await self._stop(state.response)
+                state.response = None
 
-    def deliver(self, item: Inbound) -> None:
+    def _engine_died(self, exc: BaseException) -> None:
+        if self._engine_failure is None:
+            logger.error("reasoning: the vLLM engine died (%s); the stage stops", exc)
+            self._engine_failure = exc
+        if self._wake is not None:
+            self._wake.set()
+
+    def deliver(self, env: Envelope) -> None:
         """Reader thread -> event loop."""
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._dispatch, item)
+        self._loop.call_soon_threadsafe(self._dispatch, env)
 
     # -- on the event loop -----------------------------------------------------------------
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    def _dispatch(self, item: Inbound) -> None:
-        s = item.session
-        if self.is_stale(item):
+    def _dispatch(self, env: Envelope) -> None:
+        if self.is_stale(env):
             return
-        if item.kind in (Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
+        try:
+            self.route(env)
+        except Exception as exc:  # this session's turn fails; the others go on
+            logger.exception("reasoning: %s for session %d failed", env.kind.name, env.session)
+            self.error(env.session, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    def on_stop(self, session: int, stop: Stop) -> None:
+        state = self.sessions.get(session)
+        ended: Response | None = None  # the reply a cancel cuts, to record as heard
+        if state is not None and stop.ends_session(state.epoch):
             # swap the state now, so records that follow in the ring find the new session;
             # only stopping the old reply's request waits
-            old = self.sessions.get(s)
-            if old is not None and not ends_state(item, old.epoch):
-                # the new holder's turn came first, on the encoder's ring: keep it
-                if item.kind is Kind.SESSION_OPEN and item.msg.instructions:
-                    old.conversation.system_prompt = item.msg.instructions
-                return
-            self.sessions.pop(s, None)
-            if item.kind is Kind.SESSION_OPEN:
-                conversation = self._new_conversation(item.msg.instructions)
-                self.sessions[s] = SessionState(conversation, item.epoch)
-            if old is not None and old.response is not None:
-                self._spawn(self._stop(old.response), f"stop-{s}")
-        elif item.kind is Kind.CANCEL:
-            # the reply the CANCEL found, if it began before it (a new turn's, on the encoder's
-            # ring, can come first); by the time the task runs, a new turn may have started
-            # another (or the session been closed and reopened), which it must not touch
-            state = self.sessions.get(s)
-            response = state.response if state else None
-            if response is not None and not ends_state(item, response.epoch):
-                response = None
-            early = state.early if state else None
-            if early is not None and ends_state(item, early.response.epoch):
+            del self.sessions[session]
+            if state.response is not None:
+                self.tasks.spawn(self._stop(state.response), f"stop-{session}")
+            state = None
+        elif state is not None:
+            early = state.early
+            if early is not None and stop.ends_prepared(early.turn_id, early.response.epoch):
                 state.early = None  # never released: never heard
-                self._drop_early(s, state, early)
-                response = None if response is early.response else response
-            stamps = [item.t_ns, time.monotonic_ns()]  # pushed, read; _cancel adds the rest
-            self._spawn(self._cancel(s, state, response, item.msg, stamps), f"cancel-{s}")
-        elif item.kind is Kind.TRANSCRIPT:
-            msg: Transcript = item.msg
-            state = self._state(s, item.epoch)
-            if epoch_older(item.epoch, self.control.epoch(s)):
-                # a final transcript of a turn the caller spoke on after: a cancel came while it
-                # was being made (rings.survives_cancel). Its words are kept, not answered; the
-                # turn the caller is in now is answered with them.
+                self._drop_early(session, state, early)
+            response = state.response
+            if response is not None and stop.ends_reply(response.response_id, response.epoch):
+                if stop.unheard:
+                    self._drop_unheard(session, state, response, f"stop-{session}")
+                else:
+                    ended = response
+        if stop.cancel is not None:
+            # by the time the task runs, a new turn may have started another reply (or the
+            # session been closed and reopened), which it must not touch
+            stamps = [stop.pushed_ns, time.monotonic_ns()]  # _cancel adds the rest
+            self.tasks.spawn(
+                self._cancel(session, state, ended, stop.cancel, stamps), f"cancel-{session}"
+            )
+
+    def handle(self, env: Envelope) -> None:
+        s, msg = env.session, env.msg
+        match msg:
+            case Transcript():
+                self._transcript(s, msg, env.epoch)
+            case ResponseCreate():
+                state = self._state(s, env.epoch)
                 if msg.text:
                     state.conversation.add("user", msg.text)
-                return
-            early, state.early = state.early, None
-            if msg.speculative:
-                if early is not None:
-                    self._drop_early(s, state, early)
-                self._start_early(s, state, msg, item.epoch)
-                return
-            if early is not None:
-                if (early.turn_id, early.text) == (msg.turn_id, msg.text) and msg.final:
-                    self._release(s, early.response)  # the turn ended as it was at the pause
-                    return
-                self._drop_early(s, state, early)
-            state.conversation.add("user", msg.text)
-            if msg.final and msg.text and msg.create_response:
-                options = ReplyOptions.of(state.settings)
-                self._start(s, state, f"resp_{s}_{msg.turn_id}", msg.turn_id, item.epoch, options)
-        elif item.kind is Kind.TURN_RESUMED:
-            state = self._state(s, item.epoch)
-            early = state.early
-            if early is not None and early.turn_id == item.msg.turn_id:
-                state.early = None
-                self._drop_early(s, state, early)
-        elif item.kind is Kind.RESPONSE_CREATE:
-            create: ResponseCreate = item.msg
-            state = self._state(s, item.epoch)
-            if create.text:
-                state.conversation.add("user", create.text)
-            options = ReplyOptions.of(state.settings, create)
-            self._start(s, state, create.response_id, -1, item.epoch, options)
-        elif item.kind is Kind.RESPONSE_STOP:
-            state = self.sessions.get(s)
-            response = state.response if state else None
-            if response is None or response.response_id != item.msg.response_id:
-                return  # it ended, or the next began, meanwhile
-            self._drop_unheard(s, state, response, f"stop-{s}")
-        elif item.kind is Kind.TRUNCATE:
-            self._truncate(self._state(s, item.epoch), item.msg)
-        elif item.kind is Kind.HISTORY:
-            self._state(s, item.epoch).conversation.replace(item.msg)
-        elif item.kind is Kind.SESSION_SETTINGS:
-            self._state(s, item.epoch).settings = item.msg
+                options = ReplyOptions.of(state.settings, msg)
+                self._start(s, state, msg.response_id, -1, env.epoch, options)
+            case SessionOpen():
+                state = self.sessions.get(s)
+                if state is None:
+                    conversation = self._new_conversation(msg.instructions)
+                    self.sessions[s] = SessionState(conversation, env.epoch)
+                elif msg.instructions:
+                    # the new holder's turn came first, on the encoder's ring: keep it
+                    state.conversation.system_prompt = msg.instructions
+            case Truncate():
+                self._state(s, env.epoch).conversation.truncate(msg.spoken_text)
+            case History():
+                self._state(s, env.epoch).conversation.replace(msg)
+            case SessionSettings():
+                self._state(s, env.epoch).settings = msg
 
-    # -- replies started early, at the caller's pause -----------------------------------------
+    def _transcript(self, session: int, msg: Transcript, epoch: int) -> None:
+        state = self._state(session, epoch)
+        if epoch_older(epoch, self.control.epoch(session)):
+            # a final transcript of a turn the caller spoke on after: a cancel came while it
+            # was being made (stages.stops.survives_cancel). Its words are kept, not answered;
+            # the turn the caller is in now is answered with them.
+            if msg.text:
+                state.conversation.add("user", msg.text)
+            return
+        early, state.early = state.early, None
+        if msg.speculative:
+            if early is not None:
+                self._drop_early(session, state, early)
+            self._start_early(session, state, msg, epoch)
+            return
+        if early is not None:
+            if msg.final and early.answers(msg.turn_id, msg.text):
+                self._release(session, early.response)  # the turn ended as it was at the pause
+                return
+            self._drop_early(session, state, early)
+        state.conversation.add("user", msg.text)
+        if msg.final and msg.text and msg.create_response:
+            options = ReplyOptions.of(state.settings)
+            self._start(
+                session, state, f"resp_{session}_{msg.turn_id}", msg.turn_id, epoch, options
+            )
+
+    # -- replies started early, at the caller's pause (stages.prepared) ----------------------
 
     def _start_early(self, session: int, state: SessionState, msg: Transcript, epoch: int) -> None:
         if not (msg.text and msg.create_response) or state.response is not None:
@@ -331,23 +318,28 @@ class ReasoningStage(Stage):
 
         The text made so far goes as one delta, not dozens: each delta is an event on the
         caller's data channel and a feed of the vocoder's phrase splitter, all due at the
-        moment the turn ends (docs/benchmarks.md, "Preparing the reply")."""
-        held, response.held = response.held or [], None
-        out: list[Msg] = []
-        for msg in held:
-            if isinstance(msg, TextDelta) and out and isinstance(out[-1], TextDelta):
-                out[-1] = msgspec.structs.replace(out[-1], text=out[-1].text + msg.text)
-            else:
-                out.append(msg)
-        for msg in out:
-            self.send(GATEWAY, session, msg, epoch=response.epoch)
+        moment the turn ends."""
+
+        def send(held: list[Msg]) -> None:
+            out: list[Msg] = []
+            for msg in held:
+                if isinstance(msg, TextDelta) and out and isinstance(out[-1], TextDelta):
+                    out[-1] = msgspec.structs.replace(out[-1], text=out[-1].text + msg.text)
+                else:
+                    out.append(msg)
+            for msg in out:
+                self.send(GATEWAY, session, msg, epoch=response.epoch)
+
+        if response.held is not None:
+            response.held.release(send)
         release = ResponseRelease(response.response_id, keep=True)
         self.send("vocoder", session, release, epoch=response.epoch)
 
     def _drop_early(self, session: int, state: SessionState, early: EarlyReply) -> None:
         state.conversation.take_back(early.asked)
         response = early.response
-        if response.held is not None:  # never released: the vocoder drops what it made
+        if response.held is not None and response.held.holding:
+            # never released: the vocoder drops what it made
             release = ResponseRelease(response.response_id, keep=False)
             self.send("vocoder", session, release, epoch=response.epoch)
         self._drop_unheard(session, state, response, f"drop-early-{session}")
@@ -363,7 +355,7 @@ class ReasoningStage(Stage):
         if state.response is response:
             state.response = None
         response.dropped = True
-        self._spawn(self._stop(response), task_name)
+        self.tasks.spawn(self._stop(response), task_name)
 
     def _state(self, session: int, epoch: int) -> SessionState:
         state = self.sessions.get(session)
@@ -388,9 +380,9 @@ class ReasoningStage(Stage):
     ) -> None:
         previous = state.response
         response = Response(response_id, f"{response_id}-{next(self._request_ids)}", epoch)
-        response.held = [] if held else None
+        response.held = HeldBack() if held else None
         state.response = response
-        response.task = self._spawn(
+        response.task = self.tasks.spawn(
             self._respond(session, state, response, previous, turn_id, options),
             f"respond-{response.request_id}",
         )
@@ -404,6 +396,8 @@ class ReasoningStage(Stage):
         turn_id: int,
         options: ReplyOptions,
     ) -> None:
+        from stages.backends.llm_vllm import EngineDeadError
+
         if previous is not None:  # one reply at a time per session
             await self._stop(previous)
             previous.record(state.conversation, previous.text)
@@ -431,6 +425,10 @@ class ReasoningStage(Stage):
                 self._emit(session, response, GATEWAY, delta)
         except asyncio.CancelledError:
             raise  # _cancel answers for a cancelled reply
+        except EngineDeadError as exc:
+            status = "failed"
+            self.error(session, "engine_dead", f"{exc}; the reasoning stage restarts")
+            self._engine_died(exc)
         except Exception as exc:
             status = "failed"
             self.error(session, "generation_failed", f"{type(exc).__name__}: {exc}")
@@ -445,24 +443,15 @@ class ReasoningStage(Stage):
     def _emit(self, session: int, response: Response, dst: str, msg: Msg) -> None:
         if response.dropped:
             return
-        if response.held is not None and dst == GATEWAY:
-            response.held.append(msg)
-        else:
-            self.send(dst, session, msg, epoch=response.epoch)
+        if dst == GATEWAY and response.held is not None and response.held.keep(msg):
+            return
+        self.send(dst, session, msg, epoch=response.epoch)
 
     async def _stop(self, response: Response) -> None:
         """Cancel the reply's task; generate() turns that into a vLLM abort (KV freed)."""
-        task = response.task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if response.task is not None and response.task is not asyncio.current_task():
+            await cancel_and_wait(response.task)
         await self.engine.abort(response.request_id)  # idempotent; covers a task not yet run
-
-    async def _stop_response(self, state: SessionState) -> None:
-        if state.response is not None:
-            await self._stop(state.response)
-            state.response = None
 
     async def _cancel(
         self,
@@ -484,43 +473,11 @@ class ReasoningStage(Stage):
             response.record(state.conversation, heard)
         elif state is not None and msg.spoken_text is not None and msg.response_id:
             # the reply had finished generating but was still being spoken
-            self._truncate(state, Truncate(msg.response_id, msg.spoken_text))
+            state.conversation.truncate(msg.spoken_text)
         kv = await self.engine.kv_usage_after_abort(seq, usage, sent_seq=sent_seq)
-        self.ack(session, msg.cancel_id, kv_usage=kv)
+        self.ack(session, msg, kv_usage=kv)
         if sent_seq is not None:
             self._cancel_hops.add(stamps)
-
-    def _truncate(self, state: SessionState, msg: Truncate) -> None:
-        """Replace the last assistant message with what the caller heard of it."""
-        for m in reversed(state.conversation.messages):
-            if m["role"] == "assistant":
-                if msg.spoken_text:
-                    m["content"] = msg.spoken_text
-                else:
-                    state.conversation.messages.remove(m)
-                return
-
-
-class _CancelHops:
-    """Where a cancel of a reply being made spends its time in this stage, a log line a hop
-    every 10 s: from the gateway's push to the event loop reading it (ring, reader thread, a
-    busy loop), to vLLM's abort sent (the reply's task stopped), to the freed blocks seen (the
-    engine's step in flight; see `kv_usage_after_abort`)."""
-
-    HOPS = (
-        "CANCEL pushed to read on the event loop",
-        "read to vLLM's abort sent",
-        "abort sent to freed blocks seen",
-    )
-
-    def __init__(self) -> None:
-        self.logs = [LatencyLog(f"cancel of a reply being made: {hop}") for hop in self.HOPS]
-
-    def add(self, stamps: list[int]) -> None:
-        """As the ack goes out: `stamps` are pushed, read and abort sent (monotonic ns)."""
-        stamps = [*stamps, time.monotonic_ns()]
-        for log, start, end in zip(self.logs, stamps, stamps[1:], strict=False):
-            log.add((end - start) / 1e9)
 
 
 async def _settle(tasks: set[asyncio.Task[Any]]) -> None:

@@ -22,9 +22,10 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shm import FLAG_NO_PURGE, Control, Ring, epoch_older, segment_name
+from shm import FLAG_NO_PURGE, Control, Ring, segment_name
 from stages.config import PipelineConfig
-from stages.messages import Kind, Msg, Transcript, encode
+from stages.messages import Kind, Msg, encode
+from stages.stops import survives_cancel
 
 GATEWAY = "gateway"
 STAGES = ("encoder", "reasoning", "vocoder")
@@ -39,35 +40,6 @@ LINKS: tuple[tuple[str, str], ...] = (
     ("vocoder", GATEWAY),
 )
 AUDIO_LINKS = {(GATEWAY, "encoder"), ("vocoder", GATEWAY)}
-# delivered whatever the session's epoch: the records that manage sessions, their settings
-# and conversation, and cancels (a barge-in must not undo an edit sent just before it)
-UNPURGEABLE = frozenset(
-    {
-        Kind.SESSION_OPEN,
-        Kind.SESSION_CLOSE,
-        Kind.HISTORY,
-        Kind.SESSION_SETTINGS,
-        Kind.CANCEL,
-        Kind.CANCEL_ACK,
-        Kind.ERROR,
-    }
-)
-
-
-def survives_cancel(kind: Kind, msg: object) -> bool:
-    """Whether a record is delivered whatever the session's epoch: the UNPURGEABLE kinds, and a
-    turn's final transcript. What the caller said stays said when a cancel comes while it is
-    being transcribed (the caller spoke again before the reply to it started); reasoning keeps
-    such a turn in the conversation and does not answer it."""
-    if kind in UNPURGEABLE:
-        return True
-    return isinstance(msg, Transcript) and msg.final and not msg.speculative
-
-
-def made_stale(kind: Kind, msg: object, epoch: int, current: int) -> bool:
-    """Whether a record pushed in `epoch` was made stale by a cancel (or close) since, the
-    session's epoch being `current` now: what a ring drops, for a record already past it."""
-    return not survives_cancel(kind, msg) and epoch_older(epoch, current)
 
 
 def role_of(instance: str) -> str:
@@ -200,9 +172,37 @@ class Outbox:
             )
 
 
-def attach_ends(names: RingNames, me: str) -> tuple[Control, dict[str, Ring], dict[str, Outbox]]:
-    """Attach process `me` (an instance) to its rings: (control, inputs by source instance,
-    outboxes by destination instance)."""
+@dataclass
+class Ends:
+    """One process's ends of the pipeline: the control segment, its input rings by source
+    instance, and its outboxes by destination instance."""
+
+    instance: str
+    names: RingNames
+    control: Control
+    inputs: dict[str, Ring]
+    outputs: dict[str, Outbox]
+
+    def outbox(self, role: str, session: int) -> Outbox:
+        """The outbox to the instance of `role` that serves `session`."""
+        return self.outputs[self.names.instance_for(role, session)]
+
+    def rings(self) -> dict[str, Ring]:
+        """Every ring of these ends by name ('encoder->gateway', ...), for metrics."""
+        out = {f"{src}->{self.instance}": ring for src, ring in self.inputs.items()}
+        out.update({f"{self.instance}->{dst}": o.ring for dst, o in self.outputs.items()})
+        return out
+
+    def close(self) -> None:
+        for ring in self.inputs.values():
+            ring.close()
+        for out in self.outputs.values():
+            out.ring.close()
+        self.control.close()
+
+
+def attach_ends(names: RingNames, me: str) -> Ends:
+    """Attach process `me` (an instance) to its rings."""
     control = Control.attach(names.control)
     inputs: dict[str, Ring] = {}
     outputs: dict[str, Outbox] = {}
@@ -219,4 +219,4 @@ def attach_ends(names: RingNames, me: str) -> tuple[Control, dict[str, Ring], di
             ring.close()
         control.close()
         raise
-    return control, inputs, outputs
+    return Ends(me, names, control, inputs, outputs)

@@ -24,7 +24,7 @@ from stages.messages import Error, SessionClose
 from stages.mps import MpsDaemon, thread_share_env
 from stages.placement import StagePlacement, plan, wants_gpus
 from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet, role_of
-from stages.worker import StageSpec, stage_main
+from stages.stage_process import StageSpec, stage_main
 
 logger = logging.getLogger(__name__)
 _ctx = mp.get_context("spawn")  # vLLM and CUDA need spawn; it is also the portable choice
@@ -140,7 +140,7 @@ class Supervisor:
             progress(
                 "MPS SM caps: "
                 + ", ".join(f"{r} {v}%" for r, v in shares.items())
-                + " (an experiment: every cap tried on an H200 made replies late; docs/gpu.md)"
+                + " (an experiment: the caps make replies late; docs/gpu.md)"
             )
 
     def _spawn(self, stage: StageProcess) -> None:
@@ -247,7 +247,8 @@ class Supervisor:
                 stage.failed_restarts += 1
                 logger.error("%s", exc)
                 stage.process.join(5)
-                time.sleep(min(30.0, 0.5 * 2**stage.failed_restarts))  # back off
+                if self._stopping.wait(min(30.0, 0.5 * 2**stage.failed_restarts)):  # back off
+                    return
                 continue
             stage.restarts += 1
             stage.failed_restarts = 0

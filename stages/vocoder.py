@@ -9,18 +9,16 @@ voice itself: its `stop()` asks the session's epoch every decoder step, so the e
 before the CANCEL record is even read. `vocoder.replicas` runs several of these processes
 (stages.rings).
 
-A reply started at the caller's pause (gateway.prepare_reply_ms) is spoken while the caller's
-silence is still being waited out, and what it makes is kept back: when the turn ends as it
-was, reasoning's RESPONSE_RELEASE sends it all at once (from the reader thread, not after the
-decoder pass in progress) and the caller hears the reply without waiting for its first phrase
-to be synthesized; when the caller goes on, it is dropped.
+A reply started at the caller's pause (stages.prepared) is spoken while the caller's silence is
+still being waited out, and what it makes is kept back: when the turn ends as it was,
+reasoning's RESPONSE_RELEASE sends it all at once, from the reader thread rather than after the
+decoder pass in progress.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,11 +28,24 @@ import numpy as np
 
 from stages.backends.speech import Voice, split_pcm16
 from stages.config import VocoderConfig
-from stages.messages import AudioDone, Kind, Msg, Phrase
+from stages.envelope import Envelope
+from stages.messages import (
+    AudioDone,
+    Cancel,
+    Kind,
+    Msg,
+    Phrase,
+    ResponseDone,
+    ResponseRelease,
+    ResponseStarted,
+    TextDelta,
+)
 from stages.passlog import LatencyLog, PassLog
 from stages.phrases import PhraseSplitter
+from stages.prepared import HeldBack
 from stages.rings import GATEWAY
-from stages.worker import Inbound, QueuedStage, ends_state
+from stages.stage import QueuedStage
+from stages.stops import Stop
 
 if TYPE_CHECKING:  # imported with the SpeechT5 voice, never for espeak
     from stages.backends.tts_speecht5 import PhraseStream
@@ -74,14 +85,22 @@ class Reply:
     done_status: str | None = None  # set once the reply's text is complete
     paced: bool = True  # False: nobody plays it in real time (/v1/audio/speech)
     # a reply made at the caller's pause: its records for the gateway (a message, or a piece
-    # of audio), kept back until RESPONSE_RELEASE (None: sent as they are made)
-    held: list[Msg | bytes] | None = None
-    at_pause: bool = False  # made at the caller's pause (held at its start)
+    # of audio), kept back until RESPONSE_RELEASE (None: one made as the turn ended)
+    held: HeldBack[Msg | bytes] | None = None
     first_phrase_ns: int = 0  # stamp of the record that completed its first phrase
+
+    @property
+    def at_pause(self) -> bool:
+        return self.held is not None
+
+    @property
+    def holding(self) -> bool:
+        """Made at the caller's pause and not released yet."""
+        return self.held is not None and self.held.holding
 
     def lead_s(self, now: float, rate: int) -> float:
         """How far synthesis runs ahead of real-time playback of this reply."""
-        if self.held is not None:
+        if self.holding:
             return self.samples / rate  # none of it is playing yet
         if self.started is None or not self.paced:
             return 0.0
@@ -115,7 +134,6 @@ class VocoderStage(QueuedStage):
         t0 = time.monotonic()
         self.voice = load_voice(self.config.vocoder)
         self.replies: dict[int, Reply] = {}
-        self._held_lock = threading.Lock()  # a held reply's records: the loop's and a release's
         self.batching: BatchingVoice | None = (
             self.voice if hasattr(self.voice, "advance") else None  # type: ignore[assignment]
         )
@@ -134,65 +152,58 @@ class VocoderStage(QueuedStage):
         )
         return {"backend": self.voice.name, "sample_rate": self.voice.sample_rate}
 
-    def deliver(self, item: Inbound) -> None:
-        if item.kind is Kind.CANCEL:
+    def deliver(self, env: Envelope) -> None:
+        msg = env.msg
+        if isinstance(msg, Cancel):
             # Acknowledged here, on the reader thread, not after the decoder pass in progress
             # (tens of ms with a batch of replies): the session's epoch was bumped before the
             # CANCEL was sent, every decoder step and every push of this stage checks it, and the
             # gateway's ring drops a piece pushed in between, so from here on nothing of the
             # cancelled reply leaves the stage; the model loop drops its state next.
-            self.ack(item.session, item.msg.cancel_id)
-        elif item.kind is Kind.RESPONSE_RELEASE and item.msg.keep and not self.is_stale(item):
+            self.ack(env.session, msg)
+        elif isinstance(msg, ResponseRelease) and msg.keep and not self.is_stale(env):
             # Sent here too, on the reader thread: the model loop reads it only after the
             # decoder pass in progress (tens of ms at 8 callers), and the caller's first audio
             # would wait for it. A reply whose start the loop has not handled yet is released
-            # there; one released here is not released twice (`held` is None then).
-            reply = self._reply_for(item)
+            # there; a release is done once.
+            reply = self._reply_for(env.session, msg.response_id)
             if reply is not None:
-                self._release(item.session, reply)
-        super().deliver(item)
+                self._release(env.session, reply)
+        super().deliver(env)
 
-    def handle(self, item: Inbound) -> None:
-        s = item.session
-        if item.kind is Kind.RESPONSE_STARTED:
-            self._drop(s)
-            if not item.msg.audio:
-                return  # a text-only reply: nothing to say
-            cfg = self.config.vocoder
-            self.replies[s] = Reply(
-                item.msg.response_id,
-                item.epoch,
-                PhraseSplitter(cfg.first_phrase_words, cfg.max_phrase_words),
-                paced=item.msg.paced,
-                held=[] if item.msg.held else None,
-                at_pause=item.msg.held,
-            )
-        elif item.kind is Kind.TEXT_DELTA:
-            reply = self._reply_for(item)
-            if reply is not None:
-                reply.pending.extend((p, item.t_ns) for p in reply.splitter.feed(item.msg.text))
-        elif item.kind is Kind.RESPONSE_DONE:
-            reply = self._reply_for(item)
-            if reply is not None:
-                if rest := reply.splitter.flush():
-                    reply.pending.append((rest, item.t_ns))
-                reply.done_status = item.msg.status
-        elif item.kind is Kind.RESPONSE_STOP:
-            if self._reply_for(item) is not None:
+    def handle(self, env: Envelope) -> None:
+        s, msg = env.session, env.msg
+        match msg:
+            case ResponseStarted():
                 self._drop(s)
-        elif item.kind is Kind.RESPONSE_RELEASE:
-            reply = self._reply_for(item)
-            if reply is None or reply.held is None:
-                return
-            if item.msg.keep:
-                self._release(s, reply)
-            else:
-                self._drop(s)
-        elif item.kind in (Kind.CANCEL, Kind.SESSION_OPEN, Kind.SESSION_CLOSE):
-            # a CANCEL was acknowledged already, by `deliver`
-            reply = self.replies.get(s)
-            if reply is not None and ends_state(item, reply.epoch):
-                self._drop(s)
+                if not msg.audio:
+                    return  # a text-only reply: nothing to say
+                cfg = self.config.vocoder
+                self.replies[s] = Reply(
+                    msg.response_id,
+                    env.epoch,
+                    PhraseSplitter(cfg.first_phrase_words, cfg.max_phrase_words),
+                    paced=msg.paced,
+                    held=HeldBack() if msg.held else None,
+                )
+            case TextDelta():
+                if (reply := self._reply_for(s, msg.response_id)) is not None:
+                    reply.pending.extend((p, env.t_ns) for p in reply.splitter.feed(msg.text))
+            case ResponseDone():
+                if (reply := self._reply_for(s, msg.response_id)) is not None:
+                    if rest := reply.splitter.flush():
+                        reply.pending.append((rest, env.t_ns))
+                    reply.done_status = msg.status
+            case ResponseRelease():  # keep (a drop is a stop)
+                if (reply := self._reply_for(s, msg.response_id)) is not None:
+                    self._release(s, reply)
+
+    def on_stop(self, session: int, stop: Stop) -> None:
+        """A stop that ends the session's reply drops it (a CANCEL was acknowledged already,
+        by `deliver`)."""
+        reply = self.replies.get(session)
+        if reply is not None and stop.ends_reply(reply.response_id, reply.epoch):
+            self._drop(session)
 
     def close(self) -> None:
         for session in list(getattr(self, "replies", ())):
@@ -201,26 +212,23 @@ class VocoderStage(QueuedStage):
 
     def _release(self, session: int, reply: Reply) -> None:
         """Send what a held reply made, in order; from now on it is paced as it plays.
+        Called on a reader thread or the model loop (HeldBack keeps the order)."""
 
-        Called on a reader thread or the model loop: under `_held_lock`, so the loop's next
-        record for the reply is either kept back and sent here, or sent after all of these."""
-        with self._held_lock:
-            held, reply.held = reply.held, None
-            if held is None:
-                return  # released already, or never held
+        def send(records: list[Msg | bytes]) -> None:
             if reply.samples:
                 reply.started = time.monotonic()
-            for record in held:
+            for record in records:
                 if not self._send_now(session, reply, record):
                     return  # cancelled meanwhile: the CANCEL in the inbox drops the reply
+
+        if reply.held is not None:
+            reply.held.release(send)
 
     def _to_gateway(self, session: int, reply: Reply, record: Msg | bytes) -> bool:
         """Send (or keep back, while the reply is held) a message or a piece of PCM16 audio;
         False once the session's epoch has moved past the reply."""
-        with self._held_lock:
-            if reply.held is not None:
-                reply.held.append(record)
-                return True
+        if reply.held is not None and reply.held.keep(record):
+            return True
         return self._send_now(session, reply, record)
 
     def _send_now(self, session: int, reply: Reply, record: Msg | bytes) -> bool:
@@ -234,8 +242,7 @@ class VocoderStage(QueuedStage):
 
     def push_audio(self, session: int, pcm16: bytes, epoch: int) -> None:
         """One piece of audio onto the session's gateway ring."""
-        audio = self.outputs[self.spec.names.instance_for(GATEWAY, session)]
-        audio.push(session, Kind.AUDIO_OUT, pcm16, epoch=epoch)
+        self.ends.outbox(GATEWAY, session).push(session, Kind.AUDIO_OUT, pcm16, epoch=epoch)
 
     def _drop(self, session: int) -> None:
         reply = self.replies.pop(session, None)
@@ -252,14 +259,14 @@ class VocoderStage(QueuedStage):
         now, rate = time.monotonic(), self.voice.sample_rate
         max_lead = self.config.vocoder.max_lead_ms / 1000
         for session, reply in list(self.replies.items()):
-            if reply.held is None and not reply.has_audio_to_make and reply.done_status is not None:
+            if not reply.holding and not reply.has_audio_to_make and reply.done_status is not None:
                 del self.replies[session]
                 self._to_gateway(session, reply, AudioDone(reply.response_id, reply.done_status))
         ready: list[tuple[float, int, Reply]] = []
         for session, reply in self.replies.items():
             lead = reply.lead_s(now, rate)
             # a held reply waits for its release once it has made as much as may be ahead
-            if reply.has_audio_to_make and not (reply.held is not None and lead >= max_lead):
+            if reply.has_audio_to_make and not (reply.holding and lead >= max_lead):
                 ready.append((lead, session, reply))
         if not ready:
             return None
@@ -285,9 +292,9 @@ class VocoderStage(QueuedStage):
             self._drop(session)
             self.error(session, "synthesis_failed", f"{type(exc).__name__}: {exc}")
 
-    def _reply_for(self, item: Inbound) -> Reply | None:
-        reply = self.replies.get(item.session)
-        if reply is None or reply.response_id != item.msg.response_id:
+    def _reply_for(self, session: int, response_id: str) -> Reply | None:
+        reply = self.replies.get(session)
+        if reply is None or reply.response_id != response_id:
             return None  # a reply we never saw start (its start was cancelled): ignore
         return reply
 
@@ -346,6 +353,6 @@ class VocoderStage(QueuedStage):
         for piece in split_pcm16(chunk, self.voice.sample_rate):
             if not self._to_gateway(session, reply, piece.tobytes()):
                 return  # cancelled meanwhile: the CANCEL in the inbox drops the reply
-            if reply.started is None and reply.held is None:
+            if reply.started is None and not reply.holding:
                 reply.started = time.monotonic()
             reply.samples += len(piece)

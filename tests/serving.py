@@ -14,7 +14,8 @@ from aiohttp import web
 from gateway import aiortc_tuning
 from gateway.config import OmniConfig
 from gateway.ice import restrict_host_addresses
-from gateway.server import build_app, prepare_media
+from gateway.media import prepare_media
+from gateway.server import build_app
 from stages.supervisor import Supervisor
 
 

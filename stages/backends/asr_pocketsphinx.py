@@ -31,9 +31,9 @@ from stages.backends.speech import (
 
 logger = logging.getLogger(__name__)
 
-#: Longest slice of audio decoded while holding the GIL: one 10 ms frame. With 40 ms slices the
-#: encoder's CANCEL ack waited behind other sessions' decoding threads (p99 78 ms at 2 callers,
-#: 254 ms at 4 on 2 cores); with 10 ms, 19 and 74 ms (docs/benchmarks.md, load report).
+#: Longest slice of audio decoded while holding the GIL: one 10 ms frame. The encoder's CANCEL
+#: ack waits behind other sessions' decoding threads for up to a slice each, so longer slices
+#: make its tail several times longer on 2 cores (docs/benchmarks.md, load report).
 FEED_SLICE_MS = 10
 #: Options that name files or folders, checked before the decoder is made.
 _PATH_OPTIONS = ("hmm", "lm", "dict", "fdict", "jsgf", "fsg", "kws", "lmctl", "allphone", "mllr")

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gateway.app import Gateway
+from gateway.calls import Gateway
 from gateway.config import load_config
-from stages.link import StageEvent
+from stages.envelope import Envelope
 from stages.messages import CancelAck, Kind, TextDelta
 from stages.rings import RingNames
 from tests.stages.stage_events import Epochs
@@ -25,7 +25,7 @@ class Owner:
     def __init__(self) -> None:
         self.events: list[Any] = []
 
-    def on_stage_event(self, event: StageEvent) -> None:
+    def on_stage_event(self, event: Envelope) -> None:
         self.events.append(event.msg)
 
 
@@ -42,5 +42,5 @@ def test_records_a_cancel_made_stale_on_their_way_to_the_loop_are_dropped() -> N
         (3, Kind.CANCEL_ACK, ack),
         (4, Kind.TEXT_DELTA, fresh),
     ]:
-        gateway._route(StageEvent("reasoning", 3, kind, epoch, 0, 0, msg))
+        gateway._route(Envelope("reasoning", kind, 3, epoch, 0, 0, msg))
     assert owner.events == [ack, fresh]

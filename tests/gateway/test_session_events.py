@@ -8,22 +8,57 @@ import numpy as np
 
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SessionConfig
-from gateway.session import ActiveResponse, RealtimeSession
-from stages.link import StageEvent
+from gateway.session import RealtimeSession, Reply, stop
+from stages.envelope import Envelope
 from stages.messages import Kind, Transcript
 
 
 class RecordingLink:
-    """Takes what the session would push into the rings."""
+    """Takes what the session would push into the rings (stages.link.PipelineLink's
+    methods that a session calls), in order."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: self.calls.append((name, args)) or 0
+    def _note(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+
+    def send_audio(self, session: int, pcm16: Any) -> bool:
+        self._note("send_audio", session, pcm16)
+        return True
+
+    def speech_started(self, session: int, turn_id: int, audio_start_ms: int = 0) -> None:
+        self._note("speech_started", session, turn_id, audio_start_ms)
+
+    def speech_stopped(
+        self, session: int, turn_id: int, audio_end_ms: int = 0, create_response: bool = True
+    ) -> int:
+        self._note("speech_stopped", session, turn_id, audio_end_ms, create_response)
+        return 0
+
+    def turn_paused(self, session: int, turn_id: int, create_response: bool = True) -> None:
+        self._note("turn_paused", session, turn_id, create_response)
+
+    def turn_resumed(self, session: int, turn_id: int) -> None:
+        self._note("turn_resumed", session, turn_id)
+
+    def create_response(self, session: int, response_id: str, **fields: Any) -> None:
+        self._note("create_response", session, response_id)
+
+    def set_history(self, session: int, messages: Any) -> None:
+        self._note("set_history", session, messages)
+
+    def apply_settings(self, session: int, settings: Any) -> None:
+        self._note("apply_settings", session, settings)
+
+    def stop_response(self, session: int, response_id: str) -> None:
+        self._note("stop_response", session, response_id)
+
+    def close_session(self, session: int, reason: str = "closed") -> None:
+        self._note("close_session", session, reason)
 
     def cancel(self, *args: Any) -> tuple[int, int]:
-        self.calls.append(("cancel", args))
+        self._note("cancel", *args)
         return len(self.calls), 0  # (cancel id, when it was sent)
 
 
@@ -38,22 +73,22 @@ class RecordingTransport:
     def send_event(self, event: dict[str, Any]) -> None:
         self.events.append(event)
 
-    def play(self, response: ActiveResponse, pcm: np.ndarray) -> None:
-        self.played.append((response.response_id, len(pcm)))
+    def play(self, reply: Reply, pcm: np.ndarray) -> None:
+        self.played.append((reply.response_id, len(pcm)))
 
-    def finish(self, response: ActiveResponse) -> None: ...
+    def finish(self, reply: Reply) -> None: ...
     def clear(self) -> None: ...
     def hold(self, held: bool) -> None:
         self.holds.append(held)
 
-    def heard_samples(self, response: ActiveResponse) -> int:
+    def heard_samples(self, reply: Reply) -> int:
         return 0
 
     async def close(self) -> None: ...
 
 
-def transcript(turn: int, text: str, final: bool) -> StageEvent:
-    return StageEvent("encoder", 1, Kind.TRANSCRIPT, 0, 0, 0, Transcript(turn, text, final))
+def transcript(turn: int, text: str, final: bool) -> Envelope:
+    return Envelope("encoder", Kind.TRANSCRIPT, 1, 0, 0, 0, Transcript(turn, text, final))
 
 
 def test_partial_transcripts_become_additive_deltas() -> None:
@@ -62,7 +97,7 @@ def test_partial_transcripts_become_additive_deltas() -> None:
     )
     transport = RecordingTransport()
     session.bind(transport)
-    session._begin_turn(0)
+    session.turns.begin(0)
     for guess in ["so", "stop", "stop the", "stop please", "stop please now"]:
         session.on_stage_event(transcript(1, guess, final=False))
     session.on_stage_event(transcript(1, "stop please now", final=True))
@@ -78,7 +113,7 @@ def test_partial_transcripts_become_additive_deltas() -> None:
     ]
     assert [e["transcript"] for e in completed] == ["stop please now"]
 
-    session._begin_turn(0)
+    session.turns.begin(0)
     for guess in ["what", "what is", "what is the time"]:
         session.on_stage_event(transcript(2, guess, final=False))
     deltas = [
@@ -106,16 +141,16 @@ def test_the_agent_is_held_from_the_first_voiced_frame_until_the_vad_decides(
         )
         transport = RecordingTransport()
         session.bind(transport)
-        session.response = object()  # the agent is speaking
+        session.replies.current = object()  # the agent is speaking
         for start in range(0, len(speech), 320):
             session.feed_audio(speech[start : start + 320])
-            if session.vad.voiced_run:
+            if session.turns.vad.voiced_run:
                 break  # the first voiced frame, before any barge-in is decided
         if not hold_on_voice:
             assert not any(transport.holds)
             continue
-        assert transport.holds[-1] and not session.vad.in_speech
-        assert session.vad.voiced_run < session.vad._onset_frames
+        assert transport.holds[-1] and not session.turns.vad.in_speech
+        assert session.turns.vad.voiced_run < session.turns.vad._onset_frames
         session.feed_audio(np.zeros(320, np.int16))  # a false start: the agent plays on
         assert transport.holds[-1] is False
 
@@ -132,7 +167,7 @@ def test_a_reply_whose_audio_ends_before_its_text_arrives_is_finished_once_with_
     session.bind(transport)
 
     def stage(name: str, kind: Kind, msg: Any) -> None:
-        session.on_stage_event(StageEvent(name, 1, kind, 0, 0, 0, msg))
+        session.on_stage_event(Envelope(name, kind, 1, 0, 0, 0, msg))
 
     stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
     stage("reasoning", Kind.TEXT_DELTA, TextDelta("resp_1", "Sunny ", 0))
@@ -158,7 +193,7 @@ class Bound:
         self.session.bind(self.transport)
 
     def stage(self, name: str, kind: Kind, msg: Any) -> None:
-        self.session.on_stage_event(StageEvent(name, 1, kind, 0, 0, 0, msg))
+        self.session.on_stage_event(Envelope(name, kind, 1, 0, 0, 0, msg))
 
     def audio(self, samples: int) -> None:
         self.stage("vocoder", Kind.AUDIO_OUT, np.ones(samples, np.int16).tobytes())
@@ -176,7 +211,7 @@ def test_a_replys_voice_that_comes_before_its_start_is_kept_for_it() -> None:
     assert b.transport.played == [] and not b.transport.events[1:]  # nothing before its start
     b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
     assert b.transport.played == [("resp_1", 2205), ("resp_1", 1000)]
-    assert b.session.response.tracker.heard(3205) == "Sure, it"
+    assert b.session.reply.tracker.heard(3205) == "Sure, it"
     assert b.metrics.voice_ahead._value.get() == 3
     types = [e["type"] for e in b.transport.events]
     assert types.index("response.created") < types.index("omni.response.first_audio")
@@ -198,9 +233,9 @@ def test_a_cancel_lets_go_of_voice_kept_for_a_reply_not_yet_started() -> None:
     b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
     b.stage("vocoder", Kind.PHRASE, Phrase("resp_2", "Next", 22050, 0))
     b.audio(800)
-    assert b.session._voice_ahead
-    b.session.interrupt("barge_in")
-    assert b.session._voice_ahead == []
+    assert b.session.replies.voice_ahead.records
+    stop.cut(b.session.replies, b.session.cancels, "barge_in", b.session.log)
+    assert b.session.replies.voice_ahead.records == []
 
 
 def test_a_reply_the_stages_start_over_one_still_playing_is_not_cancelled() -> None:
@@ -215,7 +250,7 @@ def test_a_reply_the_stages_start_over_one_still_playing_is_not_cancelled() -> N
     b.audio(800)
     b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_2", 2))
     assert b.link.calls == []
-    assert b.session.response.response_id == "resp_2"
+    assert b.session.reply.response_id == "resp_2"
     done = [e for e in b.transport.events if e["type"] == "response.done"]
     assert [d["response"]["status"] for d in done] == ["cancelled"]  # resp_1, cut short
     # by the caller's newer turn, not by the client
@@ -231,7 +266,7 @@ def test_a_response_create_over_a_reply_still_playing_cancels_it_first() -> None
     b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
     b.stage("reasoning", Kind.RESPONSE_DONE, ResponseDone("resp_1", "completed", "Hello."))
     b.stage("vocoder", Kind.AUDIO_DONE, AudioDone("resp_1", "completed"))
-    assert b.session.response is not None  # generated, still playing
+    assert b.session.reply is not None  # generated, still playing
     b.session.on_client_message('{"type": "response.create"}')
     # the cancel goes first: the new reply is stamped with the epoch after it
     assert [name for name, _ in b.link.calls] == ["cancel", "create_response"]
@@ -245,17 +280,17 @@ def test_speech_before_the_turns_reply_started_cancels_that_reply_first() -> Non
     from stages.messages import ResponseStarted
 
     def turn(b: Bound, said: str | None, create_response: bool = True) -> None:
-        b.session._speech_stopped(1000 * b.session.turn_id, create_response)
+        b.session.turns.end(1000 * b.session.turns.turn_id, create_response)
         if said is not None:  # the turn's final transcript is here
-            b.session.on_stage_event(transcript(b.session.turn_id, said, final=True))
+            b.session.on_stage_event(transcript(b.session.turns.turn_id, said, final=True))
 
     def speak_again(b: Bound) -> list[str]:
         b.link.calls.clear()
-        b.session._speech_started(SpeechStarted(1500, 1800, np.zeros(0, np.int16)))
+        b.session.turns.speech_started(SpeechStarted(1500, 1800, np.zeros(0, np.int16)))
         return [name for name, _ in b.link.calls]
 
     b = Bound()
-    b.session._begin_turn(0)
+    b.session.turns.begin(0)
     turn(b, "what is the time")
     assert speak_again(b) == ["cancel", "speech_started"]
     assert b.link.calls[0][1][1:] == (None, "", "barge_in")  # no reply, nothing heard
@@ -271,7 +306,7 @@ def test_speech_before_the_turns_reply_started_cancels_that_reply_first() -> Non
     # while the encoder still transcribes the turn, a cancel would purge what it has of it,
     # so none is sent (the reply may still start over the caller: a gap left open)
     b = Bound()
-    b.session._begin_turn(0)
+    b.session.turns.begin(0)
     turn(b, None)
     assert speak_again(b) == ["speech_started"]
 
@@ -284,14 +319,14 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
     from stages.messages import Phrase, ResponseStarted
 
     b = Bound()
-    b.session._begin_turn(0)
-    b.session._speech_stopped(1000, create_response=True)
+    b.session.turns.begin(0)
+    b.session.turns.end(1000, create_response=True)
     speech = make_speech("and in Paris").pcm16
     for start in range(0, len(speech), 320):  # the caller speaks again
         b.session.feed_audio(speech[start : start + 320])
-        if b.session.vad.in_speech:
+        if b.session.turns.vad.in_speech:
             break
-    assert b.session.vad.in_speech
+    assert b.session.turns.vad.in_speech
     assert "cancel" not in [name for name, _ in b.link.calls]  # turn 1 still transcribing
     b.session.on_stage_event(transcript(1, "what is the time", final=True))
     b.link.calls.clear()
@@ -299,7 +334,7 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
     b.audio(800)  # its first audio, read before its start
     b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
     assert b.link.calls == [("stop_response", (1, "resp_1"))]
-    assert b.session.response is None
+    assert b.session.reply is None
     done = [e for e in b.transport.events if e["type"] == "response.done"]
     assert [d["response"]["status_details"]["reason"] for d in done] == ["turn_detected"]
     b.audio(800)
@@ -308,4 +343,4 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
     # a reply the client asked for is not the turn's: it plays
     b.link.calls.clear()
     b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_2", -1))
-    assert b.link.calls == [] and b.session.response.response_id == "resp_2"
+    assert b.link.calls == [] and b.session.reply.response_id == "resp_2"

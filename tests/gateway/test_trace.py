@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 from gateway.trace import StageTrace, read_trace
+from stages.envelope import Envelope
 from stages.messages import CancelAck, Kind, TextDelta, Transcript
 
 
-def event(kind: Kind, msg: object, session: int = 3, t_ns: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(stage="reasoning", session=session, kind=kind, t_ns=t_ns, msg=msg)
+def event(kind: Kind, msg: object, session: int = 3, t_ns: int = 1) -> Envelope:
+    return Envelope("reasoning", kind, session, epoch=0, seq=0, t_ns=t_ns, msg=msg)
 
 
 def test_entries_from_several_threads_read_back_whole(tmp_path) -> None:

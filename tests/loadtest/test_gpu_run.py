@@ -265,12 +265,11 @@ def test_gateway_process_variants_trace_what_they_receive(tmp_path) -> None:
 
 def test_traces_of_every_gateway_process_are_read_as_one_tap(tmp_path) -> None:
     from gateway.trace import StageTrace
+    from stages.envelope import Envelope
 
-    def event(session: int, index: int) -> SimpleNamespace:
+    def event(session: int, index: int) -> Envelope:
         delta = TextDelta("r", "w", index)
-        return SimpleNamespace(
-            stage="reasoning", session=session, kind=Kind.TEXT_DELTA, t_ns=index, msg=delta
-        )
+        return Envelope("reasoning", Kind.TEXT_DELTA, session, 0, 0, index, delta)
 
     first, second = StageTrace(tmp_path / "gateway.trace"), StageTrace(tmp_path / "gateway.1.trace")
     first.record(event(0, 0), "rtc_g0_a")

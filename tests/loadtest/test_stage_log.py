@@ -10,24 +10,23 @@ from pathlib import Path
 import pytest
 
 from loadtest.stage_log import gather, table
-from stages.backends.llm_vllm import _AbortWaits, _StepLog
-from stages.passlog import LatencyLog, PassLog
-from stages.reasoning import _CancelHops
+from stages.backends.vllm_stats import AbortWaits, StepLog
+from stages.passlog import CancelHops, LatencyLog, PassLog
 
 ROOT = Path(__file__).parents[2]
 
 
 def _stage_lines(caplog: pytest.LogCaptureFixture) -> dict[str, str]:
     """One line of each kind, made by the classes that write them."""
-    steps = _StepLog(every_s=3600)
+    steps = StepLog(every_s=3600)
     steps.add(0.000, busy=True, prompt_tokens=0)
     steps.add(0.005, busy=True, prompt_tokens=0)
     steps.add(0.017, busy=True, prompt_tokens=120)
     steps.every_s = 0
-    hops = _CancelHops()
+    hops = CancelHops()
     for log in hops.logs:
         log.every_s = 0
-    waits = _AbortWaits(every_s=3600)
+    waits = AbortWaits(every_s=3600)
     waits.add("freed_first_step")
     waits.add("hidden")
     waits.every_s = 0

@@ -17,13 +17,9 @@ import pytest
 import pytest_asyncio
 
 from stages.backends import tiny_chat_model
-from stages.backends.llm_vllm import (
-    EngineConfigError,
-    ModelNotFoundError,
-    ReasoningEngine,
-    _StepLog,
-)
+from stages.backends.llm_vllm import EngineConfigError, ModelNotFoundError, ReasoningEngine
 from stages.backends.tiny_chat_model import ensure_tiny_chat_model
+from stages.backends.vllm_stats import StepLog
 
 pytestmark = [
     pytest.mark.slow,
@@ -116,7 +112,7 @@ async def test_two_concurrent_streams(engine: ReasoningEngine) -> None:
 async def test_the_step_log_tells_a_prefill_step_from_decoding(engine: ReasoningEngine) -> None:
     """A prompt that comes while another reply decodes is prefilled in a step the log counts
     apart, with the prompt's tokens; vLLM's stats carry them (0.26's and 0.32's alike)."""
-    engine._kv.steps = steps = _StepLog(every_s=3600)
+    engine._kv.steps = steps = StepLog(every_s=3600)
     first = engine.generate("steps-a", MESSAGES, {"max_tokens": 24})
     for _ in range(4):
         await anext(first)
@@ -179,7 +175,7 @@ async def test_kv_usage_after_abort_with_another_stream_running(engine: Reasonin
     seq = engine.kv_stats_seq()
     asked = time.monotonic()
     assert await engine.kv_usage_after_abort(seq, engine.kv_usage(), timeout=1.0) == 0.0
-    assert time.monotonic() - asked < 0.05
+    assert time.monotonic() - asked < 0.5  # not the timeout (a loaded CI machine may stall)
 
 
 @module_loop
@@ -280,11 +276,11 @@ def test_tiny_model_folder_is_marked_random(tiny_model: Path) -> None:
 def test_kv_usage_after_abort_does_not_count_records_made_before_the_abort_was_sent() -> None:
     """Records handled while the abort was still being sent (a busy event loop) left the core
     before it: the usage comes from records after it, not from the second of those."""
-    from stages.backends.llm_vllm import _KvUsageMonitor
+    from stages.backends.vllm_stats import KvUsageMonitor
 
     async def scenario() -> float:
         engine = ReasoningEngine.__new__(ReasoningEngine)  # the KV monitor only, no vLLM
-        engine._kv = kv = _KvUsageMonitor()
+        engine._kv = kv = KvUsageMonitor()
         kv.update(0.2, requests=2)
         seq, before = kv.seq, kv.usage
         kv.update(0.2, requests=2)  # handled while the abort was being sent
@@ -302,11 +298,11 @@ def test_kv_usage_after_abort_does_not_count_records_made_before_the_abort_was_s
 def test_an_abort_hidden_by_other_requests_growth_is_acked_after_a_second_step() -> None:
     """Other replies may take as many new blocks in the step that frees the aborted one's:
     the usage does not fall, and the wait ends at the second record after the abort."""
-    from stages.backends.llm_vllm import _KvUsageMonitor
+    from stages.backends.vllm_stats import KvUsageMonitor
 
     async def scenario() -> tuple[float, dict[str, int]]:
         engine = ReasoningEngine.__new__(ReasoningEngine)  # the KV monitor only, no vLLM
-        engine._kv = kv = _KvUsageMonitor()
+        engine._kv = kv = KvUsageMonitor()
         kv.update(0.2, requests=8)
         seq, before = kv.seq, kv.usage
         waiting = asyncio.ensure_future(engine.kv_usage_after_abort(seq, before))
@@ -325,13 +321,13 @@ def test_an_abort_hidden_by_other_requests_growth_is_acked_after_a_second_step()
 
 def test_the_step_log_times_busy_steps_by_kind(caplog: pytest.LogCaptureFixture) -> None:
     """The first step after an idle engine is not timed: the gap before it was idle time."""
-    log = _StepLog(every_s=3600)
+    log = StepLog(every_s=3600)
     log.add(100.000, busy=False, prompt_tokens=0)  # the engine went idle
     log.add(105.000, busy=True, prompt_tokens=30)  # a prompt came 5 s later
     log.add(105.010, busy=True, prompt_tokens=0)
     log.add(105.030, busy=True, prompt_tokens=50)  # another prompt, beside the first reply
     log.every_s = 0
-    with caplog.at_level(logging.INFO, logger="stages.backends.llm_vllm"):
+    with caplog.at_level(logging.INFO, logger="stages.backends.vllm_stats"):
         log.add(105.040, busy=False, prompt_tokens=0)
     (record,) = caplog.records
     assert record.getMessage() == (

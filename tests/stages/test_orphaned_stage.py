@@ -22,7 +22,7 @@ SUPERVISOR = textwrap.dedent(
     """
     import multiprocessing as mp, sys, time
     from stages.rings import RingNames
-    from stages.worker import StageSpec, stage_main
+    from stages.stage_process import StageSpec, stage_main
 
     if __name__ == "__main__":
         names = RingNames(sys.argv[1])

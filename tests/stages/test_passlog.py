@@ -47,15 +47,15 @@ def test_a_latency_line_gives_the_percentiles_of_its_period(
 def test_a_cancels_hops_in_the_reasoning_stage_are_logged_each(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from stages.reasoning import _CancelHops
+    from stages.passlog import CancelHops
 
-    hops = _CancelHops()
+    hops = CancelHops()
     for log in hops.logs:
         log.every_s = 0
     pushed = time.monotonic_ns() - 30_000_000
     with caplog.at_level(logging.INFO, logger="stages.passlog"):
         hops.add([pushed, pushed + 2_000_000, pushed + 5_000_000])  # acked now, ~25 ms later
     lines = [r.getMessage() for r in caplog.records]
-    assert [line.split(":")[1].strip() for line in lines] == list(_CancelHops.HOPS)
+    assert [line.split(":")[1].strip() for line in lines] == list(CancelHops.HOPS)
     took = [float(re.search(r"p50 ([0-9.]+) ms", line)[1]) for line in lines]
     assert took[:2] == [2.0, 3.0] and 25.0 <= took[2] < 1000

@@ -15,8 +15,9 @@ import pytest
 
 from gateway.config import load_config
 from stages.backends.asr_pocketsphinx import load_pocketsphinx
-from stages.driver import collect_reply, speak_turn
-from stages.link import EventQueues, PipelineLink, StageEvent
+from stages.driver import TurnResult, collect_reply, speak_turn
+from stages.envelope import Envelope
+from stages.link import EventQueues, PipelineLink
 from stages.messages import Kind
 from stages.supervisor import Supervisor
 from tests.stages.stage_events import wait_for
@@ -41,7 +42,7 @@ def config():
     )
 
 
-def drain(events: EventQueues, session: int) -> list[StageEvent]:
+def drain(events: EventQueues, session: int) -> list[Envelope]:
     q, out = events.queue(session), []
     while not q.empty():
         out.append(q.get())
@@ -50,8 +51,8 @@ def drain(events: EventQueues, session: int) -> list[StageEvent]:
 
 def wait_acks(
     events: EventQueues, session: int, cancel_id: int, timeout: float = 10
-) -> dict[str, StageEvent]:
-    acks: dict[str, StageEvent] = {}
+) -> dict[str, Envelope]:
+    acks: dict[str, Envelope] = {}
     deadline = time.monotonic() + timeout
     while len(acks) < 3:
         ev = events.next(session, max(0.01, deadline - time.monotonic()))
@@ -196,12 +197,56 @@ def test_killed_stage_is_restarted_and_sessions_told(
     assert supervisor.healthy
     link.close_session(session)
 
-    fresh = link.open_session()
+    assert _fresh_turn(link, events, make_speech).audio, "the restarted vocoder spoke"
+
+
+def test_a_dead_vllm_engine_restarts_the_reasoning_stage(
+    supervisor: Supervisor,
+    link: PipelineLink,
+    events: EventQueues,
+    restarted: threading.Event,
+    make_speech,
+) -> None:
+    """vLLM's engine core killed under a live reply: the stage exits rather than failing every
+    later turn, its sessions are told, it is restarted, and nothing of the old one is left."""
+    import psutil
+
+    reasoning = supervisor.stages["reasoning"]
+    restarts = reasoning.restarts
+    stage = psutil.Process(reasoning.process.pid)
+    old = stage.children(recursive=True)
+    (engine_core,) = [p for p in stage.children() if "EngineCore" in " ".join(p.cmdline())]
+    restarted.clear()
+    session = link.open_session()
+    link.create_response(session, "resp_doomed", text="talk for a while")
+    wait_for(events, session, Kind.TEXT_DELTA)
+    engine_core.kill()
+
+    codes: list[str] = []
+    deadline = time.monotonic() + 60
+    while "stage_restarted" not in codes:
+        ev = events.next(session, max(0.01, deadline - time.monotonic()))
+        if ev.kind is Kind.ERROR:
+            assert ev.msg.stage == "reasoning", ev.msg
+            codes.append(ev.msg.code)
+    assert "engine_dead" in codes  # the live reply failed, saying why
+    assert restarted.wait(120), "the reasoning stage was not restarted"
+    assert reasoning.restarts == restarts + 1 and reasoning.process.pid != stage.pid
+    assert supervisor.healthy
+    _, alive = psutil.wait_procs([stage, *old], timeout=30)
+    assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
+    link.close_session(session)
+
+    assert _fresh_turn(link, events, make_speech).reply_text, "the restarted engine answered"
+
+
+def _fresh_turn(link: PipelineLink, events: EventQueues, make_speech) -> TurnResult:
+    """One spoken turn on a session of its own."""
+    session = link.open_session()
     try:
-        result = speak_turn(link, events, fresh, make_speech(SENTENCE).pcm16)
-        assert result.audio, "the restarted vocoder spoke"
+        return speak_turn(link, events, session, make_speech(SENTENCE).pcm16)
     finally:
-        link.close_session(fresh)
+        link.close_session(session)
 
 
 def test_audio_after_cancel_keeps_the_new_speech(
@@ -222,11 +267,11 @@ def test_audio_after_cancel_keeps_the_new_speech(
 
 def test_collect_reply_surfaces_stage_errors(link: PipelineLink, events: EventQueues) -> None:
     """A record the stages cannot decode becomes an ERROR event, and the session goes on."""
-    from stages.driver import TurnFailed, TurnResult
+    from stages.driver import TurnFailed
 
     session = link.open_session()
     try:
-        link._outputs["reasoning"].push(session, Kind.TRUNCATE, b"\xc1garbage")
+        link.ends.outbox("reasoning", session).push(session, Kind.TRUNCATE, b"\xc1garbage")
         with pytest.raises(TurnFailed, match="bad_record"):
             collect_reply(events, session, TurnResult(), timeout=10)
         link.create_response(session, "resp_after", text="hello")

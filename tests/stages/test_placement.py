@@ -14,8 +14,8 @@ from gateway.config import load_config
 from stages.config import PipelineConfig
 from stages.placement import MULTICAST_OFF, PlacementError, apply_memory_share, plan, wants_gpus
 from stages.rings import RingNames
+from stages.stage_process import StageSpec, stage_main
 from stages.supervisor import Supervisor
-from stages.worker import StageSpec, stage_main
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 

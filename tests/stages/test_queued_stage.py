@@ -1,35 +1,36 @@
-"""The model loop of a queued stage (stages.worker.QueuedStage), with the stage's rings left
+"""The model loop of a queued stage (stages.stage.QueuedStage), with the stage's rings left
 out: records waiting in its inbox and the pumps between them; and which state a session's
-open, close or cancel ends (stages.worker.ends_state)."""
+open, close or cancel ends (stages.stops)."""
 
 from __future__ import annotations
 
-import itertools
-import queue
 import threading
 
 import pytest
 
-from stages.messages import Kind
-from stages.worker import Inbound, QueuedStage, ends_state
+from stages.config import PipelineConfig
+from stages.envelope import Envelope
+from stages.messages import Cancel, Kind, SessionClose, SessionOpen
+from stages.stage import QueuedStage
+from stages.stops import stop_of
+from tests.stages.stage_events import Epochs, recording_ends
 
 
 class Recorder(QueuedStage):
     """Handles records by noting them; each pump notes how many it saw handled."""
 
-    def __init__(self, pumps: int) -> None:  # no rings: Stage.__init__ attaches them
-        self.stop = threading.Event()
-        self.inbox = queue.PriorityQueue()
-        self._order = itertools.count()
+    def __init__(self, pumps: int) -> None:
+        config = PipelineConfig.model_validate({})
+        super().__init__(config, recording_ends("encoder", Epochs(0)), threading.Event())
         self.handled: list[tuple[Kind, int]] = []
         self.seen_at_pump: list[int] = []
         self.pumps_left = pumps
 
-    def is_stale(self, item) -> bool:
-        return False
-
     def handle(self, item) -> None:
         self.handled.append((item.kind, item.session))
+
+    def on_stop(self, session, stop) -> None:
+        self.handled.append((Kind.CANCEL if stop.cancel else Kind.SESSION_CLOSE, session))
 
     def pump(self) -> float | None:
         self.seen_at_pump.append(len(self.handled))
@@ -39,8 +40,9 @@ class Recorder(QueuedStage):
         return 0.0
 
 
-def inbound(kind: Kind, session: int) -> Inbound:
-    return Inbound(src="reasoning", kind=kind, session=session, epoch=0, t_ns=0, msg=None)
+def inbound(kind: Kind, session: int) -> Envelope:
+    msg = Cancel(1) if kind is Kind.CANCEL else None
+    return Envelope("reasoning", kind, session, epoch=0, seq=0, t_ns=0, msg=msg)
 
 
 def test_every_waiting_record_is_handled_before_the_next_pump() -> None:
@@ -73,5 +75,7 @@ WRAP = 1 << 32
     ],
 )
 def test_what_an_open_close_or_cancel_ends(kind, record_epoch, state_epoch, ends) -> None:
-    item = Inbound("gateway", kind, 0, record_epoch, 0, None)
-    assert ends_state(item, state_epoch) is ends
+    msg = {Kind.SESSION_OPEN: SessionOpen(), Kind.SESSION_CLOSE: SessionClose()}.get(kind)
+    item = Envelope("gateway", kind, 0, record_epoch, 0, 0, msg or Cancel(1))
+    stop = stop_of(item)
+    assert stop is not None and stop.ends(state_epoch) is ends

@@ -5,10 +5,10 @@ gateway's, and reader threads race."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 
 from stages.config import PipelineConfig
+from stages.envelope import Envelope
 from stages.messages import (
     Cancel,
     Kind,
@@ -18,41 +18,45 @@ from stages.messages import (
     SessionOpen,
     Transcript,
 )
-from stages.reasoning import EarlyReply, ReasoningStage, Response
-from stages.worker import Inbound
-from tests.stages.stage_events import Epochs
+from stages.prepared import EarlyReply, HeldBack
+from stages.reasoning import ReasoningStage, Response
+from tests.stages.stage_events import Epochs, recording_ends
 
 SESSION, EPOCH = 5, 7
 
 
+class NotedTasks:
+    """Stands in for stages.tasks.Tasks: notes each task's name and runs nothing."""
+
+    def __init__(self) -> None:
+        self.spawned: list[str] = []
+
+    def spawn(self, coro, name: str) -> None:
+        self.spawned.append(name)
+        coro.close()
+
+
 class Dispatching(ReasoningStage):
-    """Only the dispatch of records: no rings and no engine (Stage.__init__ attaches rings);
+    """Only the dispatch of records: no rings (stage_events.recording_ends) and no engine;
     what it would send, stop and cancel is noted."""
 
     def __init__(self) -> None:
-        self.config = PipelineConfig.model_validate({})
-        self.stop = threading.Event()
-        self.control = Epochs(EPOCH)
-        self.sessions = {}
-        self._tasks = set()
-        self._request_ids = itertools.count()
-        self.sent: list[object] = []
-        self.spawned: list[str] = []
+        config = PipelineConfig.model_validate({})
+        super().__init__(config, recording_ends("reasoning", Epochs(EPOCH)), threading.Event())
+        self.tasks = NotedTasks()
+        self.spawned = self.tasks.spawned
         self.cancelled: list[Response | None] = []
 
-    def send(self, dst: str, session: int, msg, *, epoch: int | None = None) -> None:
-        self.sent.append(msg)
-
-    def _spawn(self, coro, name: str) -> None:
-        self.spawned.append(name)
-        coro.close()
+    @property
+    def sent(self) -> list[object]:
+        return [msg for out in self.ends.outputs.values() for _, msg, _ in out.sent]
 
     def _cancel(self, session, state, response, msg, stamps):
         self.cancelled.append(response)
         return asyncio.sleep(0)
 
     def give(self, src: str, kind: Kind, msg, epoch: int = EPOCH) -> None:
-        self._dispatch(Inbound(src, kind, SESSION, epoch, 0, msg))
+        self._dispatch(Envelope(src, kind, SESSION, epoch, 0, 0, msg))
 
 
 def test_a_turn_heard_before_its_sessions_open_is_kept() -> None:
@@ -96,7 +100,7 @@ def test_a_cancel_stops_the_reply_it_was_sent_for_not_one_begun_after() -> None:
 def test_a_cancel_drops_an_early_reply_begun_before_it_only() -> None:
     stage = Dispatching()
     state = stage._state(SESSION, EPOCH)
-    early = Response("resp_5_2", "req-3", EPOCH + 1, held=[])
+    early = Response("resp_5_2", "req-3", EPOCH + 1, held=HeldBack())
     state.response, state.early = early, EarlyReply(2, "is it", None, early)
     stage.give("gateway", Kind.CANCEL, Cancel(3, None), epoch=EPOCH + 1)
     assert state.early is not None and stage.sent == []

@@ -50,13 +50,11 @@ def test_the_config_says_whether_every_producer_yields_to_the_consumer_it_wakes(
     names = RingNames.fresh(wake_yield=config.rings.wake_yield)
     rings = RingSet(names, config)
     try:
-        control, inputs, outputs = attach_ends(names, "reasoning")
-        assert set(outputs) == {"gateway", "vocoder"} and inputs
-        assert all(o.ring.wake_yield is wake_yield for o in outputs.values())
-        assert not any(ring.wake_yield for ring in inputs.values())  # a consumer's end
-        for ring in [*inputs.values(), *(o.ring for o in outputs.values())]:
-            ring.close()
-        control.close()
+        ends = attach_ends(names, "reasoning")
+        assert set(ends.outputs) == {"gateway", "vocoder"} and ends.inputs
+        assert all(o.ring.wake_yield is wake_yield for o in ends.outputs.values())
+        assert not any(ring.wake_yield for ring in ends.inputs.values())  # a consumer's end
+        ends.close()
     finally:
         rings.close()
 
@@ -109,7 +107,7 @@ def test_each_session_is_spoken_by_its_replica_and_cancelled_there(
             link.create_response(s, f"resp-{s}", text="say something")
         for s in (a, b):
             audio = wait_for(events, s, Kind.AUDIO_OUT)
-            assert audio.stage == link.names.instance_for("vocoder", s)
+            assert audio.src == link.names.instance_for("vocoder", s)
         for s in (a, b):
             cancel_id, _ = link.cancel(s, f"resp-{s}")
             acks = cancel_acks(events, s, cancel_id)

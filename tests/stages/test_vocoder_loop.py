@@ -5,7 +5,6 @@ what would go to the gateway is noted."""
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import threading
 import time
@@ -13,6 +12,7 @@ import time
 import pytest
 
 from stages.config import PipelineConfig
+from stages.envelope import Envelope
 from stages.messages import (
     AudioDone,
     Cancel,
@@ -27,32 +27,27 @@ from stages.messages import (
     TextDelta,
 )
 from stages.vocoder import VocoderStage
-from stages.worker import Inbound
-from tests.stages.stage_events import Epochs
+from tests.stages.stage_events import Epochs, recording_ends
 
 SESSION, EPOCH, REPLY = 3, 1, "resp_3_1"
 
 
 class Noted(VocoderStage):
-    """Notes its records for the gateway instead of pushing them to a ring."""
+    """Notes its records for the gateway (ring ends stand-ins: stage_events.recording_ends)."""
 
-    def __init__(self, max_lead_ms: int = 2000) -> None:  # no rings: Stage.__init__ attaches them
-        self.config = PipelineConfig.model_validate({"vocoder": {"max_lead_ms": max_lead_ms}})
-        self.stop = threading.Event()
-        self.control = Epochs(EPOCH)
-        self.sent: list[object] = []
-        self.inbox, self._order = queue.PriorityQueue(), iter(range(10**9))  # QueuedStage's
+    def __init__(self, max_lead_ms: int = 2000) -> None:
+        config = PipelineConfig.model_validate({"vocoder": {"max_lead_ms": max_lead_ms}})
+        super().__init__(config, recording_ends("vocoder", Epochs(EPOCH)), threading.Event())
+        self.gateway = self.ends.outputs["gateway"]
         self.load()
 
-    def send(self, dst: str, session: int, msg, *, epoch: int | None = None) -> None:
-        assert (dst, session, epoch) == ("gateway", SESSION, EPOCH)
-        self.sent.append(msg)
+    @property
+    def sent(self) -> list[object]:
+        """What went to the gateway, messages and audio, in order."""
+        assert all((s, e) == (SESSION, EPOCH) for s, _, e in self.gateway.sent)
+        return [record for _, record, _ in self.gateway.sent]
 
-    def push_audio(self, session: int, pcm16: bytes, epoch: int) -> None:
-        assert (session, epoch) == (SESSION, EPOCH)
-        self.sent.append(pcm16)
-
-    def inbound(self, msg, epoch: int = EPOCH) -> Inbound:
+    def inbound(self, msg, epoch: int = EPOCH) -> Envelope:
         kinds = {
             ResponseStarted: Kind.RESPONSE_STARTED,
             TextDelta: Kind.TEXT_DELTA,
@@ -65,11 +60,11 @@ class Noted(VocoderStage):
         }
         from_gateway = SessionOpen | SessionClose | Cancel | ResponseStop
         src = "gateway" if isinstance(msg, from_gateway) else "reasoning"
-        return Inbound(src, kinds[type(msg)], SESSION, epoch, 0, msg)
+        return Envelope(src, kinds[type(msg)], SESSION, epoch, 0, 0, msg)
 
     def give(self, msg, epoch: int = EPOCH) -> None:
         """Handled by the model loop."""
-        self.handle(self.inbound(msg, epoch))
+        self.route(self.inbound(msg, epoch))
 
     def read(self, msg, epoch: int = EPOCH) -> None:
         """Read by a reader thread: `deliver`, then the model loop handles what it queued."""
@@ -94,7 +89,7 @@ def vocoder() -> Noted:
 
 def test_a_held_reply_is_spoken_but_nothing_leaves_until_it_is_released(vocoder) -> None:
     assert vocoder.sent == []
-    made = vocoder.replies[SESSION].held
+    made = vocoder.replies[SESSION].held.kept
     assert isinstance(made[0], Phrase) and sum(isinstance(r, bytes) for r in made) >= 2
 
     vocoder.give(ResponseRelease(REPLY, keep=True))
@@ -108,12 +103,12 @@ def test_a_held_reply_is_spoken_but_nothing_leaves_until_it_is_released(vocoder)
 
 
 def test_a_release_is_sent_by_the_reader_not_after_the_loops_decoder_pass(vocoder) -> None:
-    made = list(vocoder.replies[SESSION].held)
+    made = vocoder.replies[SESSION].held.kept
     vocoder.read(ResponseRelease(REPLY, keep=True))
     assert vocoder.sent == made  # out before the model loop runs again
 
     while not vocoder.inbox.empty():  # then the model loop's turn
-        vocoder.handle(vocoder.inbox.get_nowait()[2])
+        vocoder.route(vocoder.inbox.get_nowait()[2])
     vocoder.pump_until_idle()
     assert vocoder.sent[: len(made)] == made and vocoder.sent.count(made[0]) == 1
     assert vocoder.sent[-1] == AudioDone(REPLY, "completed")
@@ -145,7 +140,7 @@ def test_a_reader_releasing_while_the_loop_speaks_loses_and_reorders_nothing() -
     stage.read(ResponseRelease(REPLY, keep=True))  # while the loop goes on speaking
     loop.join(60)
     assert not loop.is_alive()
-    stage.handle(stage.inbox.get_nowait()[2])
+    stage.route(stage.inbox.get_nowait()[2])
     stage.pump_until_idle()
 
     assert stage.sent == stage.made and len(stage.made) > 10
@@ -167,7 +162,7 @@ def test_a_held_reply_makes_no_more_than_may_run_ahead_of_playback() -> None:
     stage.give(ResponseStarted(REPLY, 1, held=True))
     stage.give(TextDelta(REPLY, "one two three four five six seven eight nine ten " * 4, 0))
     stage.pump_until_idle()  # returns: the held reply waits, it does not spin
-    made = sum(len(r) for r in stage.replies[SESSION].held if isinstance(r, bytes)) // 2
+    made = sum(len(r) for r in stage.replies[SESSION].held.kept if isinstance(r, bytes)) // 2
     rate = stage.voice.sample_rate
     assert 0.3 * rate <= made < 0.3 * rate + 0.1 * rate  # up to the lead, one 100 ms piece over
     assert stage.replies[SESSION].pending  # the rest waits for the release
@@ -248,7 +243,7 @@ def test_each_replys_first_audio_is_timed_from_its_first_phrase(
         if held:
             stage.give(ResponseRelease(REPLY, keep=True))  # released before anything was made
         text = TextDelta(REPLY, "Sure, it is sunny today.", 0)
-        stage.handle(Inbound("reasoning", Kind.TEXT_DELTA, SESSION, EPOCH, started, text))
+        stage.route(Envelope("reasoning", Kind.TEXT_DELTA, SESSION, EPOCH, 0, started, text))
         with caplog.at_level(logging.INFO, logger="stages.passlog"):
             stage.pump_until_idle()
         took_ms = (time.monotonic_ns() - started) / 1e6

@@ -1,0 +1,277 @@
+"""The calls one gateway process carries: admission of new sessions (WebRTC calls, WebSockets,
+speech requests), the pipeline link they share, and stage records routed to their owners."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+
+from gateway import aiortc_tuning
+from gateway.auth import Authenticator, Grant
+from gateway.config import OmniConfig
+from gateway.loopwatch import LoopWatch, freeze_startup_objects
+from gateway.metrics import GatewayMetrics
+from gateway.opus import opus_rate_for
+from gateway.playout import PLAYOUT_RATE
+from gateway.protocol import SessionConfig, TurnDetection
+from gateway.resample import CALLER_RATE
+from gateway.session import RealtimeSession
+from gateway.siblings import Siblings, call_id
+from gateway.speech import Utterance
+from gateway.trace import StageTrace
+from gateway.webrtc import WebRTCTransport
+from stages.envelope import Envelope
+from stages.link import PipelineLink, SessionsFull
+from stages.messages import CancelAck
+from stages.rings import GATEWAY, RingNames
+from stages.stops import made_stale
+from stages.tasks import cancel_and_wait
+
+logger = logging.getLogger(__name__)
+
+# several gateway processes: their metrics meet in files (prometheus_client's multiprocess mode,
+# which `omni-gateway start` turns on before anything imports prometheus_client)
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
+class Gateway:
+    """Sessions in progress (WebRTC calls, WebSockets, speech requests) and the pipeline link
+    they share: one gateway process's.
+
+    `instance` names the process among the service's (`gateway.processes`); with more than
+    one, `socket_dir` holds their sockets for the requests they pass each other
+    (gateway.siblings) and `signing_key` is the one their client secrets share.
+    """
+
+    def __init__(
+        self,
+        config: OmniConfig,
+        names: RingNames,
+        vocoder_rate: int,
+        is_ready: Callable[[], bool],
+        *,
+        instance: str = GATEWAY,
+        socket_dir: str | Path | None = None,
+        signing_key: bytes | None = None,
+    ) -> None:
+        self.config = config
+        self.names = names
+        self.instance = instance
+        self.index = names.gateways.index(instance)
+        self.socket_dir = socket_dir
+        self.vocoder_rate = vocoder_rate
+        self.is_ready = is_ready
+        self.auth = Authenticator(config.gateway.auth, signing_key=signing_key)
+        self.metrics = GatewayMetrics()
+        self.calls: dict[str, RealtimeSession] = {}
+        self.by_session: dict[int, RealtimeSession | Utterance] = {}
+        self.link: PipelineLink | None = None
+        self.siblings: Siblings | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.trace: StageTrace | None = None
+        self.watch: LoopWatch | None = None
+
+    # reader thread -> loop
+    def _on_stage_event(self, event: Envelope) -> None:
+        assert self.loop is not None
+        if self.trace is not None:
+            self.trace.record(event, *self.whose(event))
+        self.loop.call_soon_threadsafe(self._route, event)
+
+    def whose(self, event: Envelope) -> tuple[str | None, int | None]:
+        """The call an event is for, and for a CANCEL_ACK when its CANCEL was sent (read on a
+        reader thread: a dict lookup, no state changed)."""
+        call = self.by_session.get(event.session)
+        if not isinstance(call, RealtimeSession):
+            return None, None
+        sent = None
+        if isinstance(event.msg, CancelAck):
+            sent = call.cancels.sent.get(event.msg.cancel_id)
+        return call.call_id, sent
+
+    def _route(self, event: Envelope) -> None:
+        owner = self.by_session.get(event.session)
+        if owner is None or self.link is None:
+            return
+        # the ring drops what a cancel made stale; this drops what was on its way to the loop
+        current = self.link.control.epoch(event.session)
+        if made_stale(event, current):
+            return
+        owner.on_stage_event(event)
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        """cleanup_ctx: attach to the rings before serving; afterwards close every call, then
+        what was acquired, in reverse. A step that fails is logged and the rest still run."""
+        self.loop = asyncio.get_running_loop()
+        async with contextlib.AsyncExitStack() as cleanup:
+            if self.config.gateway.trace_dir is not None:
+                trace_path = Path(self.config.gateway.trace_dir) / f"{self.instance}.trace"
+                self.trace = StageTrace(trace_path)
+                cleanup.callback(_logged, self.trace.close)
+            self.link = PipelineLink(self.names, self._on_stage_event, self.instance)
+            cleanup.callback(_logged, self.link.close)
+            if self.socket_dir is not None and len(self.names.gateways) > 1:
+                siblings = self.siblings = Siblings(
+                    self.names, self.instance, self.link.control, self.socket_dir
+                )
+                cleanup.push_async_callback(_logged_async, siblings.close())
+            if MULTIPROCESS:
+                rings = asyncio.create_task(self._update_ring_metrics(), name="ring-metrics")
+                cleanup.push_async_callback(_logged_async, cancel_and_wait(rings))
+            if self.config.gateway.gc_freeze:
+                frozen = freeze_startup_objects()
+                logger.info("%d objects of the start-up exempt from garbage collection", frozen)
+            stall_ms = self.config.gateway.stall_report_ms
+            watch = self.watch = LoopWatch(
+                self.metrics.loop_lag,
+                self.metrics.gc_pause,
+                stall_ms / 1000 if stall_ms else None,
+                busy=lambda: bool(self.calls),
+            )
+            watch.start()
+            cleanup.push_async_callback(_logged_async, watch.stop())
+            cleanup.push_async_callback(self._close_calls)
+            yield
+
+    async def _close_calls(self) -> None:
+        for call in list(self.calls.values()):
+            await _logged_async(call.close("gateway shutting down"))
+
+    async def _update_ring_metrics(self) -> None:
+        """With several processes a scrape reaches one of them: each keeps its rings'
+        figures current."""
+        while True:
+            self.update_ring_metrics()
+            await asyncio.sleep(1.0)
+
+    def session_config(self) -> SessionConfig:
+        """A new session's settings: the configuration's defaults."""
+        td = self.config.gateway.turn_detection
+        return SessionConfig(
+            voice=self.config.vocoder.voice,
+            model=self.config.reasoning.model,
+            instructions=self.config.reasoning.system_prompt,
+            turn_detection=TurnDetection(**td.model_dump()),
+        )
+
+    def check_session_config(self, session: Any, param: str = "session") -> SessionConfig:
+        """The settings `session` would give a new session; ProtocolError if refused."""
+        return self.session_config().updated(session, param)
+
+    def open_session(self, prefix: str, grant: Grant, model: str | None) -> RealtimeSession:
+        """Admit a new Realtime session; raises SessionsFull, or ProtocolError for settings
+        that cannot be used."""
+        assert self.link is not None
+        if len(self.calls) >= self.config.max_calls_per_process:
+            raise SessionsFull(f"{len(self.calls)} calls in progress, the configured maximum")
+        config = self.session_config()
+        if grant.session is not None:
+            config.apply(grant.session)
+        if model:
+            config.model = model
+        session = self.link.open_session()
+        call = RealtimeSession(
+            call_id(prefix, self.index),
+            self.link,
+            session,
+            self.vocoder_rate,
+            self.metrics,
+            config,
+            on_closed=self._forget,
+            hold_on_voice=self.config.gateway.barge_in_hold,
+            prepare_reply_ms=self.config.gateway.prepare_reply_ms,
+        )
+        self.calls[call.call_id] = call
+        self.by_session[session] = call
+        self.metrics.sessions.set(len(self.calls))
+        if self.watch is not None:
+            self.watch.wake()
+        return call
+
+    def _ice_config(self) -> RTCConfiguration:
+        return RTCConfiguration(
+            iceServers=[RTCIceServer(urls=u) for u in self.config.gateway.ice_servers]
+        )
+
+    async def answer(
+        self, offer_sdp: str, grant: Grant, session: dict[str, Any] | None = None
+    ) -> tuple[str, str]:
+        """Create a call from an SDP offer; (call_id, answer SDP). Raises SessionsFull,
+        ProtocolError for refused settings, or ValueError for an offer that is not usable."""
+        if session is not None:
+            self.check_session_config(session)
+        call = self.open_session("rtc", grant, None)
+        if session is not None:
+            call.config.apply(session)
+        pc = RTCPeerConnection(self._ice_config())
+        libopus = aiortc_tuning.opus_codec() == "opuslib"
+        # with libopus, agent audio is played (and coded) at the Opus rate nearest the
+        # vocoder's, caller audio decoded straight to what the VAD takes
+        playout_rate = opus_rate_for(self.vocoder_rate) if libopus else PLAYOUT_RATE
+        transport = WebRTCTransport(call, pc, playout_rate)
+        call.bind(transport)
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
+            audio = [t for t in pc.getTransceivers() if t.kind == "audio"]
+            if not audio:
+                raise ValueError("the offer has no audio media section")
+            if libopus:
+                for transceiver in audio:
+                    aiortc_tuning.decode_at(transceiver.receiver, CALLER_RATE)
+            await pc.setLocalDescription(await pc.createAnswer())
+        except Exception as exc:
+            await call.close("bad offer")
+            raise ValueError(f"unusable SDP offer: {exc}") from exc
+        call.start()
+        return call.call_id, pc.localDescription.sdp
+
+    def open_utterance(self) -> Utterance:
+        """A pipeline session for one /v1/audio/speech request; raises SessionsFull."""
+        assert self.link is not None
+        utterance = Utterance(self.link, self.link.open_session(), self.vocoder_rate)
+        self.by_session[utterance.session] = utterance
+        return utterance
+
+    def close_utterance(self, utterance: Utterance) -> None:
+        assert self.link is not None
+        if not utterance.done:
+            self.link.cancel(utterance.session, reason="client_gone")
+        self.by_session.pop(utterance.session, None)
+        self.link.close_session(utterance.session)
+
+    def _forget(self, call: RealtimeSession) -> None:
+        self.calls.pop(call.call_id, None)
+        self.by_session.pop(call.session, None)
+        self.metrics.sessions.set(len(self.calls))
+
+    def update_ring_metrics(self) -> None:
+        if self.link is None:
+            return
+        for name, ring in self.link.rings().items():
+            stats = ring.stats()
+            self.metrics.ring_bytes_used.labels(name).set(stats["bytes_used"])
+            self.metrics.ring_full.labels(name).set(stats["full"])
+            self.metrics.ring_skipped.labels(name).set(stats["skipped"])
+
+
+def _logged(step: Callable[[], Any]) -> None:
+    """Run one shutdown step; an error is logged, and shutdown goes on."""
+    try:
+        step()
+    except Exception:
+        logger.exception("shutdown: %s failed", getattr(step, "__qualname__", step))
+
+
+async def _logged_async(step: Coroutine[Any, Any, Any]) -> None:
+    try:
+        await step
+    except Exception:
+        logger.exception("shutdown: %s failed", step.__qualname__)

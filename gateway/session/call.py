@@ -1,0 +1,345 @@
+"""One Realtime session: the coordinator that wires its parts and routes what comes in.
+
+Caller audio goes to `CallerTurns` (VAD, chunks to the encoder, turns and transcripts); stage
+records about the agent's reply to `Replies`; stops go through gateway.session.stop; client
+events through gateway.session.client_events; everything the client sees through the `Outbox`.
+Transport-agnostic: a WebRTC call (gateway.webrtc) and a WebSocket (gateway.websocket) differ
+only in how audio and events travel, which their `Transport` hides.
+
+Everything here runs on the event loop. Stage records arrive on ring reader threads and hop
+over with `loop.call_soon_threadsafe` (gateway.calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gateway import events as ev
+from gateway.conversation import Conversation
+from gateway.metrics import GatewayMetrics
+from gateway.opus import PacketCodec
+from gateway.protocol import (
+    INPUT_RATE,
+    OPUS,
+    OUTPUT_RATE,
+    ProtocolError,
+    ResponseParams,
+    SessionConfig,
+)
+from gateway.resample import CALLER_RATE, Upsampler
+from gateway.session import client_events, stop
+from gateway.session.outbox import Outbox, Transport
+from gateway.session.replies import Replies
+from gateway.session.reply import Reply
+from gateway.session.stop import Cancels
+from gateway.session.turns import CallerTurns
+from stages.envelope import Envelope
+from stages.link import PipelineLink
+from stages.messages import (
+    AudioDone,
+    CancelAck,
+    Error,
+    Phrase,
+    ResponseDone,
+    ResponseStarted,
+    SessionSettings,
+    TextDelta,
+    Transcript,
+)
+from stages.tasks import Tasks
+
+logger = logging.getLogger(__name__)
+
+
+class CallLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Log lines of one session carry its id and pipeline session, as text and as record
+    attributes (`call`, `session`) for structured handlers."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = self.extra or {}
+        kwargs["extra"] = {**extra, **kwargs.get("extra", {})}
+        return f"[call={extra.get('call')} session={extra.get('session')}] {msg}", kwargs
+
+
+class RealtimeSession:
+    """A client connection bound to one pipeline session."""
+
+    def __init__(
+        self,
+        call_id: str,
+        link: PipelineLink,
+        session: int,
+        vocoder_rate: int,
+        metrics: GatewayMetrics,
+        config: SessionConfig,
+        on_closed: Callable[[RealtimeSession], None],
+        hold_on_voice: bool = True,
+        prepare_reply_ms: int = 0,
+    ) -> None:
+        """`hold_on_voice`: silence the agent from the caller's first voiced frame until the
+        VAD decides whether they are talking over it (GatewayConfig.barge_in_hold).
+        `prepare_reply_ms`: silence inside a turn after which the stages start on the reply,
+        held until the turn ends (GatewayConfig.prepare_reply_ms; 0: off)."""
+        self.call_id = call_id
+        self.link = link
+        self.session = session
+        self.vocoder_rate = vocoder_rate
+        self.metrics = metrics
+        self.config = config
+        self.on_closed = on_closed
+        self.hold_on_voice = hold_on_voice
+        self.log = CallLog(logger, {"call": call_id, "session": session})
+        self.outbox = Outbox(call_id)
+        self.items = Conversation()
+        self.turns = CallerTurns(
+            link, session, config, self.outbox, self.items, self, metrics, prepare_reply_ms
+        )
+        self.replies = Replies(
+            self.outbox, self.items, metrics, vocoder_rate, self.turns.take_speech_stopped_ns
+        )
+        self.cancels = Cancels(link, session, self.outbox, metrics)
+        self.deferred_create: tuple[ResponseParams, str | None] | None = None
+        self.tasks = Tasks()
+        self.closed = asyncio.Event()
+        self.close_reason: str | None = None  # why it ended, once it has
+        self.frame_arrivals: collections.deque[float] = collections.deque(maxlen=3000)
+        self._in_rs: Upsampler | None = None
+        self._opus: PacketCodec | None = None
+
+    @property
+    def transport(self) -> Transport | None:
+        return self.outbox.transport
+
+    @property
+    def reply(self) -> Reply | None:
+        """The reply the caller hears (started, until played to its end or cut)."""
+        return self.replies.current
+
+    @property
+    def interrupted_at(self) -> collections.deque[float]:
+        return self.replies.interrupted_at
+
+    @property
+    def audio_in_frames(self) -> int:
+        return self.turns.frames
+
+    # -- wiring ----------------------------------------------------------------------------
+
+    def bind(self, transport: Transport) -> None:
+        """Attach the transport; events sent before it existed go out now, in order."""
+        self.outbox.bind(transport)
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.outbox.send(event)
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        return self.tasks.spawn(coro, name)
+
+    def start(self) -> None:
+        """Greet the client (session.created) and hand the stages the session's settings."""
+        self.apply_settings()
+        self.outbox.session_created(self.config)
+
+    def apply_settings(self) -> None:
+        c = self.config
+        self.link.apply_settings(
+            self.session, SessionSettings(c.instructions or None, c.audio_out, c.token_cap)
+        )
+
+    def sync_history(self) -> None:
+        self.link.set_history(self.session, self.items.history())
+
+    # -- caller audio ----------------------------------------------------------------------
+
+    def feed_audio(self, pcm16k: np.ndarray) -> None:
+        """Caller audio, PCM16 mono 16 kHz, in pieces of any length."""
+        self.turns.feed(pcm16k)
+
+    def append_audio(self, audio_b64: Any) -> None:
+        """input_audio_buffer.append: base64 PCM16 mono 24 kHz, or one 20 ms Opus packet."""
+        if not isinstance(audio_b64, str):
+            raise ProtocolError("audio must be a base64 string", param="audio")
+        try:
+            raw = base64.b64decode(audio_b64, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ProtocolError(
+                f"audio is not valid base64: {exc}", param="audio", code="invalid_audio"
+            ) from None
+        if self.config.input_format == OPUS:
+            try:
+                self.feed_audio(self.opus.decode(raw))
+            except ValueError as exc:
+                raise ProtocolError(
+                    f"audio/opus: {exc}; the packet was dropped",
+                    param="audio",
+                    code="invalid_audio",
+                ) from None
+            return
+        if len(raw) % 2:
+            raise ProtocolError(
+                "audio/pcm is 16-bit samples: an odd number of bytes cannot be it",
+                param="audio",
+                code="invalid_audio",
+            )
+        pcm = np.frombuffer(raw, dtype="<i2").astype(np.int16)
+        self.feed_audio(self._input_resampler.convert(pcm))
+
+    @property
+    def opus(self) -> PacketCodec:
+        """This session's libopus coder for the audio/opus format (made on first use)."""
+        if self._opus is None:
+            self._opus = PacketCodec(CALLER_RATE, OUTPUT_RATE)
+        return self._opus
+
+    @property
+    def _input_resampler(self) -> Upsampler:
+        """24 kHz audio/pcm from a WebSocket client down to the caller rate."""
+        if self._in_rs is None:
+            self._in_rs = Upsampler(INPUT_RATE, CALLER_RATE)
+        return self._in_rs
+
+    # -- what the caller's turns mean for the reply (turns.TurnListener) --------------------
+
+    def _interrupts(self) -> bool:
+        td = self.config.turn_detection
+        return td is not None and td.interrupt_response
+
+    def speech_onset(self) -> None:
+        if self._interrupts():
+            stop.barge_in(self.replies, self.cancels, bool(self.turns.transcribing), self.log)
+
+    def turn_ended(self, create_response: bool) -> None:
+        if create_response:
+            self.replies.ask_for_turn()
+
+    def transcribed(self, turn_id: int, text: str) -> None:
+        if not text and turn_id == self.turns.turn_id:
+            self.replies.forget_asked()  # nothing was said: reasoning answers nothing
+        if self.deferred_create is not None and not self.turns.transcribing:
+            params, event_id = self.deferred_create
+            self.deferred_create = None
+            self.create_response(params, event_id)
+
+    def maybe_speaking(self, unsure: bool) -> None:
+        """A barge-in is decided some frames after the caller's first voiced one: the agent
+        goes quiet from that frame on, and plays on, nothing lost, if it was not one."""
+        if self.transport is not None:
+            held = unsure and self.hold_on_voice and self._interrupts()
+            self.transport.hold(held and self.replies.current is not None)
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def create_response(self, params: ResponseParams, event_id: str | None) -> None:
+        """Ask the stages for a reply (response.create, once the last turn's text is in)."""
+        # a reply still playing stops first, so that its cancel precedes the new reply
+        stop.cut(self.replies, self.cancels, "superseded", self.log)
+        response_id = ev.new_id("resp")
+        self.replies.ask(response_id, params.metadata)
+        self.link.create_response(
+            self.session,
+            response_id,
+            instructions=params.instructions,
+            audio=params.audio,
+            max_output_tokens=params.max_output_tokens,
+        )
+
+    def playback_done(self, response_id: str) -> None:
+        """The transport played a finished reply to its end."""
+        self.replies.played(response_id)
+
+    # -- stage records -----------------------------------------------------------------------
+
+    def on_stage_event(self, env: Envelope) -> None:
+        if self.closed.is_set():
+            return
+        replies, msg = self.replies, env.msg
+        match msg:
+            case memoryview() | bytes():  # AUDIO_OUT
+                if not self._ahead_of_start(env, None):
+                    replies.audio(np.frombuffer(msg, dtype=np.int16))
+            case Phrase():
+                ahead = self._ahead_of_start(env, msg.response_id)
+                if not ahead and (reply := replies.current_for(msg.response_id)):
+                    replies.phrase(reply, msg.text)
+            case AudioDone():
+                ahead = self._ahead_of_start(env, msg.response_id)
+                if not ahead and (reply := replies.current_for(msg.response_id)):
+                    replies.audio_done(reply)
+            case Transcript():
+                self.turns.transcript(msg.turn_id, msg.text, msg.final)
+            case ResponseStarted():
+                self._response_started(msg, env.t_ns)
+            case TextDelta():
+                if reply := replies.current_for(msg.response_id):
+                    replies.text_delta(reply, msg.text)
+            case ResponseDone():
+                if reply := replies.current_for(msg.response_id):
+                    replies.text_done(reply, msg.text, msg.status)
+            case CancelAck():
+                self.cancels.acked(msg.cancel_id, msg.stage, msg.t_ns, msg.kv_usage)
+            case Error():
+                self.metrics.stage_errors.labels(msg.stage).inc()
+                self.outbox.error(
+                    f"{msg.stage}: {msg.message}", code=msg.code, type_="server_error"
+                )
+
+    def _ahead_of_start(self, env: Envelope, response_id: str | None) -> bool:
+        """Keep a vocoder record whose reply has not started here yet; True when kept."""
+        kept = self.replies.voice_ahead.keep(env, response_id)
+        if kept:
+            self.metrics.voice_ahead.inc()
+        return kept
+
+    def _response_started(self, msg: ResponseStarted, t_ns: int) -> None:
+        asked = self.replies.turn_asked is not None
+        if self.replies.current is not None:  # the stages stopped it for this one already
+            stop.let_go(self.replies, "superseded", self.log)
+        self.replies.start(msg.response_id, msg.turn_id, msg.audio, t_ns)
+        ahead = self.replies.voice_ahead.started(msg.response_id)
+        if asked and self._interrupts() and self.turns.vad.in_speech:
+            # the reply to the caller's last turn started after they spoke again (too soon
+            # for a barge-in to cancel it): stopped unheard, and without a cancel, which
+            # would purge the turn they are in
+            stop.stop_unheard(self.replies, self.link, self.session, self.log)
+        else:
+            for early in ahead:
+                self.on_stage_event(early)
+
+    # -- client events -----------------------------------------------------------------------
+
+    def on_client_message(self, message: Any) -> None:
+        """One client event as received (JSON text); every failure becomes an `error` event."""
+        client_events.dispatch(self, message)
+
+    # -- teardown --------------------------------------------------------------------------
+
+    async def close(self, reason: str) -> None:
+        """Tear the session down and free its stage state; safe to call twice."""
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        self.outbox.closed = True
+        self.close_reason = reason
+        self.log.info("session closed: %s", reason)
+        self.replies.current = None
+        transport = self.transport
+        if transport is not None:
+            transport.clear()
+        try:
+            self.link.close_session(self.session)  # the reasoning stage aborts its request
+        finally:
+            self.on_closed(self)
+            await self.tasks.close()
+            if transport is not None:
+                try:
+                    await transport.close()
+                except Exception:
+                    self.log.exception("closing the transport failed")

@@ -1,0 +1,278 @@
+"""The session's way to its client: the transport, the events queued until one is bound, and
+one method for each OpenAI Realtime (GA) server event the session sends, so that each event's
+shape is written once."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from gateway import events as ev
+from gateway.conversation import Item
+from gateway.protocol import SessionConfig
+from gateway.session.reply import Reply
+
+
+class Transport(Protocol):
+    """How a session's audio and events reach the client (gateway.webrtc, gateway.websocket)."""
+
+    kind: str  # "webrtc" or "websocket"
+
+    def send_event(self, event: dict[str, Any]) -> None: ...
+
+    def play(self, reply: Reply, pcm: np.ndarray) -> None:
+        """Agent audio at the vocoder's rate, as it is synthesized."""
+
+    def finish(self, reply: Reply) -> None:
+        """All of the reply's audio was handed over; call `session.playback_done(id)` once
+        the client has (or will have) played it."""
+
+    def clear(self) -> None:
+        """Drop every queued sample now (barge-in)."""
+
+    def hold(self, held: bool) -> None:
+        """Pause (True) or go on with (False) the agent's audio, dropping nothing: the caller
+        may be starting to talk over it."""
+
+    def heard_samples(self, reply: Reply) -> int:
+        """How much of the reply's audio (at the vocoder's rate) the caller has heard."""
+
+    async def close(self) -> None: ...
+
+
+def _where(reply: Reply) -> dict[str, Any]:
+    assert reply.item is not None
+    return {
+        "response_id": reply.response_id,
+        "item_id": reply.item.id,
+        "output_index": 0,
+        "content_index": 0,
+    }
+
+
+def _part(reply: Reply, text: str) -> dict[str, Any]:
+    return {"type": "audio", "transcript": text} if reply.audio else {"type": "text", "text": text}
+
+
+def _item(reply: Reply) -> dict[str, Any]:
+    assert reply.item is not None
+    return reply.item.to_json()
+
+
+class Outbox:
+    """Events to the client, in order; those sent before a transport is bound go out when it
+    is, and none after the session closed."""
+
+    def __init__(self, call_id: str) -> None:
+        self.call_id = call_id
+        self.transport: Transport | None = None
+        self.closed = False
+        self._pending: list[dict[str, Any]] = []
+
+    def bind(self, transport: Transport) -> None:
+        self.transport = transport
+        pending, self._pending = self._pending, []
+        for event in pending:
+            transport.send_event(event)
+
+    def send(self, event: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        if self.transport is None:
+            self._pending.append(event)
+        else:
+            self.transport.send_event(event)
+
+    # -- session -----------------------------------------------------------------------------
+
+    def session_created(self, config: SessionConfig) -> None:
+        self.send(ev.event("session.created", session=config.to_json(self.call_id)))
+
+    def session_updated(self, config: SessionConfig) -> None:
+        self.send(ev.event("session.updated", session=config.to_json(self.call_id)))
+
+    def error(
+        self,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        event_id: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        self.send(ev.error(message, code=code, param=param, event_id=event_id, type_=type_))
+
+    # -- the caller's audio and turns ----------------------------------------------------------
+
+    def speech_started(self, audio_start_ms: int, item_id: str) -> None:
+        self.send(
+            ev.event(
+                "input_audio_buffer.speech_started",
+                audio_start_ms=audio_start_ms,
+                item_id=item_id,
+            )
+        )
+
+    def speech_stopped(self, audio_end_ms: int, item_id: str) -> None:
+        self.send(
+            ev.event(
+                "input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id
+            )
+        )
+
+    def committed(self, item_id: str, previous: str | None) -> None:
+        self.send(
+            ev.event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
+        )
+
+    def buffer_cleared(self) -> None:
+        self.send(ev.event("input_audio_buffer.cleared"))
+
+    def transcription(self, name: str, item_id: str, **fields: str) -> None:
+        """conversation.item.input_audio_transcription.delta or .completed."""
+        self.send(
+            ev.event(
+                f"conversation.item.input_audio_transcription.{name}",
+                item_id=item_id,
+                content_index=0,
+                **fields,
+            )
+        )
+
+    # -- the conversation ----------------------------------------------------------------------
+
+    def item_added(self, item: Item, previous: str | None) -> None:
+        self.send(
+            ev.event("conversation.item.added", previous_item_id=previous, item=item.to_json())
+        )
+
+    def item_done(self, item: Item) -> None:
+        self.send(ev.event("conversation.item.done", item=item.to_json()))
+
+    def item_retrieved(self, item: Item) -> None:
+        self.send(ev.event("conversation.item.retrieved", item=item.to_json()))
+
+    def item_deleted(self, item_id: str) -> None:
+        self.send(ev.event("conversation.item.deleted", item_id=item_id))
+
+    def item_truncated(self, item_id: str, audio_end_ms: int) -> None:
+        self.send(
+            ev.event(
+                "conversation.item.truncated",
+                item_id=item_id,
+                content_index=0,
+                audio_end_ms=audio_end_ms,
+            )
+        )
+
+    # -- a reply --------------------------------------------------------------------------------
+
+    def response_created(self, reply: Reply) -> None:
+        assert reply.response_id is not None
+        response = ev.response_obj(
+            reply.response_id, "in_progress", audio=reply.audio, metadata=reply.metadata
+        )
+        self.send(ev.event("response.created", response=response))
+
+    def output_item_added(self, reply: Reply) -> None:
+        self._output_item("added", reply)
+
+    def content_part_added(self, reply: Reply) -> None:
+        self.send(ev.event("response.content_part.added", **_where(reply), part=_part(reply, "")))
+
+    def text_delta(self, reply: Reply, text: str) -> None:
+        """response.output_audio_transcript.delta, or output_text.delta for a text reply."""
+        name = "output_audio_transcript" if reply.audio else "output_text"
+        self.send(ev.event(f"response.{name}.delta", **_where(reply), delta=text))
+
+    def audio_transcript_done(self, reply: Reply) -> None:
+        self.send(
+            ev.event(
+                "response.output_audio_transcript.done", **_where(reply), transcript=reply.text
+            )
+        )
+
+    def output_text_done(self, reply: Reply) -> None:
+        self.send(ev.event("response.output_text.done", **_where(reply), text=reply.text))
+
+    def output_audio_delta(self, reply: Reply, payload: str) -> None:
+        """One piece of audio over a WebSocket, base64."""
+        self.send(ev.event("response.output_audio.delta", **_where(reply), delta=payload))
+
+    def output_audio_done(self, reply: Reply) -> None:
+        self.send(ev.event("response.output_audio.done", **_where(reply)))
+
+    def content_part_done(self, reply: Reply) -> None:
+        self.send(
+            ev.event("response.content_part.done", **_where(reply), part=_part(reply, reply.text))
+        )
+
+    def output_item_done(self, reply: Reply) -> None:
+        self._output_item("done", reply)
+
+    def _output_item(self, name: str, reply: Reply) -> None:
+        self.send(
+            ev.event(
+                f"response.output_item.{name}",
+                response_id=reply.response_id,
+                output_index=0,
+                item=_item(reply),
+            )
+        )
+
+    def response_done(
+        self, reply: Reply, status: str, details: dict[str, Any] | None = None
+    ) -> None:
+        """response.done, and the rate_limits.updated that follows each."""
+        assert reply.response_id is not None
+        response = ev.response_obj(
+            reply.response_id,
+            status,
+            audio=reply.audio,
+            item=_item(reply),
+            status_details=details,
+            metadata=reply.metadata,
+        )
+        self.send(ev.event("response.done", response=response))
+        self.send(ev.rate_limits())
+
+    def first_audio(self, reply: Reply, turn_ms: float | None, first_ms: float) -> None:
+        """omni.response.first_audio: the reply's first audio went to the transport."""
+        self.send(
+            ev.event(
+                "omni.response.first_audio",
+                response_id=reply.response_id,
+                turn_latency_ms=None if turn_ms is None else round(turn_ms, 1),
+                time_to_first_audio_ms=round(first_ms, 1),
+            )
+        )
+
+    def response_cancelled(
+        self,
+        response_id: str,
+        latency_ms: float,
+        stages_ms: dict[str, float],
+        kv_usage: float | None,
+    ) -> None:
+        """omni.response.cancelled: every stage acknowledged the reply's cancel."""
+        self.send(
+            ev.event(
+                "omni.response.cancelled",
+                response_id=response_id,
+                cancel_latency_ms=latency_ms,
+                stages_ms=stages_ms,
+                kv_cache_usage=kv_usage,
+            )
+        )
+
+    # -- the audio the client plays (WebRTC) ---------------------------------------------------
+
+    def output_buffer_started(self, response_id: str) -> None:
+        self.send(ev.event("output_audio_buffer.started", response_id=response_id))
+
+    def output_buffer_stopped(self, response_id: str) -> None:
+        self.send(ev.event("output_audio_buffer.stopped", response_id=response_id))
+
+    def output_buffer_cleared(self, response_id: str) -> None:
+        self.send(ev.event("output_audio_buffer.cleared", response_id=response_id))

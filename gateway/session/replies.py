@@ -1,0 +1,175 @@
+"""The agent's side of a session: the replies asked of the stages and not started, the one the
+caller hears, and the stage records that make it (text, phrases, audio, ends), turned into the
+client's events. How a reply is stopped is gateway.session.stop's."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gateway.conversation import Conversation, Item
+from gateway.events import new_id
+from gateway.metrics import GatewayMetrics
+from gateway.session.outbox import Outbox
+from gateway.session.reply import Reply, ReplyState, SpokenTracker, VoiceAhead
+
+TRACKERS_KEPT = 32  # recent audio items whose spoken marks conversation.item.truncate may use
+
+
+class Replies:
+    """One session's replies, and the events of each."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        items: Conversation,
+        metrics: GatewayMetrics,
+        vocoder_rate: int,
+        turn_ended_ns: Callable[[], int],
+    ) -> None:
+        """`turn_ended_ns`: when the caller's last turn ended, once (0 after), for the
+        latency of the first audio that follows."""
+        self.outbox, self.items, self.metrics = outbox, items, metrics
+        self.vocoder_rate = vocoder_rate
+        self._turn_ended_ns = turn_ended_ns
+        self.current: Reply | None = None  # started; until played to its end or cut
+        # a turn's end asked the stages for a reply that has not started yet: if the caller
+        # speaks again first, a barge-in cancels it before it can start over them
+        self.turn_asked: Reply | None = None
+        self.created: dict[str, Reply] = {}  # response.create's, not started yet
+        self.voice_ahead = VoiceAhead()
+        # what each recent assistant audio item said when, for conversation.item.truncate
+        self.trackers: collections.OrderedDict[str, SpokenTracker] = collections.OrderedDict()
+        self.interrupted_at: collections.deque[float] = collections.deque(maxlen=100)
+
+    def current_for(self, response_id: str) -> Reply | None:
+        """The current reply if it is `response_id` (records of any other are stragglers)."""
+        current = self.current
+        return current if current is not None and current.response_id == response_id else None
+
+    # -- asked ---------------------------------------------------------------------------------
+
+    def ask_for_turn(self) -> None:
+        if self.turn_asked is None:
+            self.turn_asked = Reply(None)
+
+    def forget_asked(self) -> None:
+        """The reply the last turn asked for will not come (cancelled, or nothing to answer)."""
+        if self.turn_asked is not None:
+            self.turn_asked.move(ReplyState.CUT)
+            self.turn_asked = None
+
+    def ask(self, response_id: str, metadata: dict[str, Any] | None) -> None:
+        """response.create sent to the stages."""
+        self.created[response_id] = Reply(response_id, metadata)
+
+    # -- started -------------------------------------------------------------------------------
+
+    def start(self, response_id: str, turn_id: int, audio: bool, started_ns: int) -> Reply:
+        """RESPONSE_STARTED: the reply asked for becomes the one the caller hears (a reply
+        still current was let go of first, gateway.session.stop). `turn_id`: the caller's
+        turn it answers, -1 for a response.create's."""
+        assert self.current is None
+        reply = self.created.pop(response_id, None)
+        if reply is None and turn_id >= 0 and self.turn_asked is not None:
+            reply, self.turn_asked = self.turn_asked, None
+        self.forget_asked()  # whichever started, the turn's ask is answered
+        reply = reply or Reply(response_id)
+        content = (
+            {"type": "output_audio", "transcript": ""}
+            if audio
+            else {"type": "output_text", "text": ""}
+        )
+        item = Item(new_id("item"), "assistant", [content], "in_progress")
+        reply.start(response_id, item, audio, started_ns)
+        self.current = reply
+        if audio:
+            self.trackers[item.id] = reply.tracker
+            while len(self.trackers) > TRACKERS_KEPT:
+                self.trackers.popitem(last=False)
+        self.outbox.response_created(reply)
+        previous = self.items.add(item)
+        self.outbox.output_item_added(reply)
+        self.outbox.item_added(item, previous)
+        self.outbox.content_part_added(reply)
+        return reply
+
+    def text_delta(self, reply: Reply, text: str) -> None:
+        reply.text += text
+        self.outbox.text_delta(reply, text)
+
+    def text_done(self, reply: Reply, text: str, status: str) -> None:
+        """The reasoning stage finished the reply's text (the audio may still be coming)."""
+        assert reply.item is not None
+        reply.text, reply.text_done = text, True
+        if reply.audio:
+            reply.item.content[0]["transcript"] = text
+            self.outbox.audio_transcript_done(reply)
+            if status == "completed" and not reply.audio_done:
+                return  # AUDIO_DONE finishes it
+        else:
+            reply.item.content[0]["text"] = text
+            self.outbox.output_text_done(reply)
+        self._generated(reply, status)
+
+    def audio_done(self, reply: Reply) -> None:
+        self.outbox.output_audio_done(reply)
+        reply.audio_done = True
+        if reply.text_done:
+            self._generated(reply, "completed")
+        # else its RESPONSE_DONE, still on reasoning's ring, finishes it with the whole text
+
+    def _generated(self, reply: Reply, status: str) -> None:
+        if reply.state is not ReplyState.STARTED:
+            return  # finished already (a failed reply's audio still ended)
+        assert reply.item is not None
+        reply.move(ReplyState.GENERATED)
+        self.outbox.content_part_done(reply)
+        reply.item.status = "completed" if status == "completed" else "incomplete"
+        self.outbox.output_item_done(reply)
+        self.outbox.item_done(reply.item)
+        self.outbox.response_done(reply, status)
+        transport = self.outbox.transport
+        if reply.audio and transport is not None:
+            transport.finish(reply)  # it calls `played` once the caller has heard it all
+        elif self.current is reply:
+            reply.move(ReplyState.PLAYED)  # text: the client has it all
+            self.current = None
+
+    def phrase(self, reply: Reply, text: str) -> None:
+        reply.tracker.phrase(text)
+
+    def audio(self, pcm: np.ndarray) -> None:
+        """A piece of the current reply's audio, to the transport."""
+        reply, transport = self.current, self.outbox.transport
+        if reply is None or not reply.audio or transport is None:
+            return  # a reply that was cut: its stragglers are dropped
+        assert reply.response_id is not None
+        if not self.voice_ahead.owns(reply.response_id):
+            return  # the rest of a reply this one superseded
+        reply.tracker.audio(len(pcm))
+        if not reply.first_audio_ns:
+            reply.first_audio_ns = time.monotonic_ns()
+            turn_ms = None
+            if speech_stopped_ns := self._turn_ended_ns():
+                turn_ms = (reply.first_audio_ns - speech_stopped_ns) / 1e6
+                self.metrics.turn_latency.observe(turn_ms / 1000)
+            first_ms = (reply.first_audio_ns - reply.started_ns) / 1e6
+            self.metrics.time_to_first_audio.observe(first_ms / 1000)
+            self.outbox.first_audio(reply, turn_ms, first_ms)
+        transport.play(reply, pcm)
+        reply.samples += len(pcm)
+
+    def played(self, response_id: str) -> None:
+        """The transport played a finished reply to its end."""
+        if (reply := self.current_for(response_id)) is not None:
+            reply.move(ReplyState.PLAYED)
+            self.current = None
+
+    def heard_text(self, reply: Reply, heard_samples: int) -> str:
+        """What the caller heard of `reply` after `heard_samples` of its audio."""
+        return reply.tracker.heard(heard_samples) if reply.audio else reply.text

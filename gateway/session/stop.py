@@ -1,0 +1,199 @@
+"""Every way a reply is stopped, and the cancels that purge the stages for it.
+
+A stop ends what the caller hears at once (queued audio dropped) and tells the client what
+they heard. Whether it also cancels decides whether the stages are purged:
+
+- `cut`: the reply the caller hears is stopped, and one CANCEL purges every stage (an epoch
+  bump, stages.stops) and is acknowledged by each: barge-in, response.cancel,
+  output_audio_buffer.clear, conversation.item.truncate, a response.create over it.
+- `let_go`: the stages moved on by themselves (a reply they started supersedes this one), so
+  nothing is cancelled: a cancel would purge the new reply as well.
+- `stop_unheard`: a reply that starts while the caller is speaking again is dropped by name
+  (RESPONSE_STOP), without a cancel, which would purge the turn they are in.
+- `cancel_asked`: a reply a turn asked for and that has not started is cancelled before it can
+  start over the caller (the client never heard of it).
+
+`barge_in` is what speech onset does with them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.metrics import GatewayMetrics
+from gateway.session.outbox import Outbox
+from gateway.session.replies import Replies
+from gateway.session.reply import Reply, ReplyState
+from stages.link import PipelineLink
+from stages.rings import STAGES
+
+SENT_KEPT = 256  # cancels whose send time is kept for the latency of their acks
+
+
+@dataclass
+class PendingCancel:
+    """The cancel of a reply being cut, until every stage has acknowledged it."""
+
+    response_id: str
+    sent_ns: int
+    acks: dict[str, int] = field(default_factory=dict)  # stage -> its CLOCK_MONOTONIC ns
+    kv_usage: float | None = None
+
+
+class Cancels:
+    """The session's cancels: each sent through the link, its acks counted; a reply's is
+    announced to the client (omni.response.cancelled) once every stage has acknowledged."""
+
+    def __init__(
+        self, link: PipelineLink, session: int, outbox: Outbox, metrics: GatewayMetrics
+    ) -> None:
+        self.link, self.session, self.outbox, self.metrics = link, session, outbox, metrics
+        self.sent: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> ns
+        self.pending: dict[int, PendingCancel] = {}
+
+    def send(self, response_id: str | None, heard: str, reason: str) -> int:
+        """Purge the session in every stage; returns the cancel's id. With `response_id`, the
+        acknowledgements are gathered for the client."""
+        cancel_id, t = self.link.cancel(self.session, response_id, heard, reason)
+        self.sent[cancel_id] = t
+        while len(self.sent) > SENT_KEPT:
+            self.sent.popitem(last=False)
+        if response_id is not None:
+            self.pending[cancel_id] = PendingCancel(response_id, t)
+        return cancel_id
+
+    def acked(self, cancel_id: int, stage: str, t_ns: int, kv: float | None) -> None:
+        sent = self.sent.get(cancel_id)
+        if sent is not None:
+            self.metrics.cancel_latency.labels(stage).observe((t_ns - sent) / 1e9)
+        if kv is not None:
+            self.metrics.kv_usage.set(kv)
+        pending = self.pending.get(cancel_id)
+        if pending is None:
+            return
+        pending.acks[stage] = t_ns
+        if kv is not None:
+            pending.kv_usage = kv
+        if set(pending.acks) >= set(STAGES):
+            del self.pending[cancel_id]
+            self.outbox.response_cancelled(
+                pending.response_id,
+                round((max(pending.acks.values()) - pending.sent_ns) / 1e6, 2),
+                {s: round((t - pending.sent_ns) / 1e6, 2) for s, t in pending.acks.items()},
+                pending.kv_usage,
+            )
+
+
+def cut(
+    replies: Replies,
+    cancels: Cancels,
+    reason: str,
+    log: logging.LoggerAdapter[Any],
+    heard_samples: int | None = None,
+) -> None:
+    """Stop the reply the caller hears and purge every stage of it. `heard_samples` (at the
+    vocoder's rate) overrides what the transport says was played, for a client that reports
+    it (conversation.item.truncate); the cancel carries the heard text to reasoning."""
+    silenced = _silence(replies, heard_samples)
+    if silenced is None:
+        return
+    reply, heard_samples = silenced
+    heard = replies.heard_text(reply, heard_samples)
+    assert reply.response_id is not None
+    replies.forget_asked()  # the cancel purges that too
+    cancels.send(reply.response_id, heard, reason)  # first: the stages stop at once
+    replies.voice_ahead.clear()  # of the epoch just cancelled: its reply never starts
+    _tell_client(replies, reply, reason, heard, heard_samples, log)
+
+
+def let_go(replies: Replies, reason: str, log: logging.LoggerAdapter[Any]) -> None:
+    """Stop playing the current reply and tell the client, cancelling nothing."""
+    silenced = _silence(replies, None)
+    if silenced is not None:
+        reply, heard_samples = silenced
+        heard = replies.heard_text(reply, heard_samples)
+        _tell_client(replies, reply, reason, heard, heard_samples, log)
+
+
+def stop_unheard(
+    replies: Replies, link: PipelineLink, session: int, log: logging.LoggerAdapter[Any]
+) -> None:
+    """The reply just started answers a turn the caller has spoken on after: reasoning and
+    the vocoder drop it by name (its vLLM request aborted), and the client is told it was
+    cut by the caller's turn."""
+    reply = replies.current
+    if reply is None or reply.response_id is None:
+        return
+    link.stop_response(session, reply.response_id)
+    let_go(replies, "barge_in", log)
+
+
+def cancel_asked(
+    replies: Replies, cancels: Cancels, reason: str, log: logging.LoggerAdapter[Any]
+) -> None:
+    """Cancel the reply the last turn asked for, which has not started."""
+    if replies.turn_asked is None:
+        return
+    replies.forget_asked()
+    cancels.send(None, "", reason)
+    replies.voice_ahead.clear()
+    log.info("a reply not yet started cancelled (%s)", reason)
+
+
+def barge_in(
+    replies: Replies, cancels: Cancels, transcribing: bool, log: logging.LoggerAdapter[Any]
+) -> None:
+    """The caller started to speak: cut the reply they hear, or else cancel the one their last
+    turn asked for. That one only once the turn's transcript is here: the encoder is done with
+    the turn, and a cancel purges none of it (reasoning may read the transcript after the
+    cancel: it keeps it, unanswered, stages.stops.survives_cancel). A reply that starts before
+    then, while the caller speaks, is stopped as it starts (`stop_unheard`)."""
+    if replies.current is not None:
+        cut(replies, cancels, "barge_in", log)
+    elif not transcribing:
+        cancel_asked(replies, cancels, "barge_in", log)
+
+
+def _silence(replies: Replies, heard_samples: int | None) -> tuple[Reply, int] | None:
+    """Drop the current reply's queued audio; the reply and how much of it the caller heard,
+    or None if there is none playing."""
+    reply, transport = replies.current, replies.outbox.transport
+    if reply is None or transport is None:
+        return None
+    replies.current = None
+    transport.clear()
+    replies.interrupted_at.append(time.monotonic())
+    if heard_samples is None:
+        heard_samples = transport.heard_samples(reply)
+    return reply, heard_samples
+
+
+def _tell_client(
+    replies: Replies,
+    reply: Reply,
+    reason: str,
+    heard: str,
+    heard_samples: int,
+    log: logging.LoggerAdapter[Any],
+) -> None:
+    """The client's events for a reply cut after `heard_samples`: the cleared playback, the
+    item truncated to what was heard, and the reply's end if it was still being made."""
+    assert reply.item is not None and replies.outbox.transport is not None
+    if reason == "barge_in":
+        replies.metrics.barge_ins.inc()
+    if replies.outbox.transport.kind == "webrtc" and reply.audio:
+        replies.outbox.output_buffer_cleared(reply.response_id or "")
+    reply.item.content[0]["transcript" if reply.audio else "text"] = heard
+    if reply.audio and reply.samples:
+        replies.outbox.item_truncated(reply.item.id, heard_samples * 1000 // replies.vocoder_rate)
+    if reply.in_progress:
+        reply.item.status = "incomplete"
+        # barge_in, or superseded: the stages started the reply to the caller's newer turn
+        by = "client_cancelled" if reason.startswith("client") else "turn_detected"
+        replies.outbox.response_done(reply, "cancelled", {"type": "cancelled", "reason": by})
+    reply.move(ReplyState.CUT)
+    log.info("reply %s cut (%s); caller heard %r", reply.response_id, reason, heard)
