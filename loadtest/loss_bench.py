@@ -156,7 +156,7 @@ async def one_way_ms(bursts: int, loss: float, seed: int) -> dict[str, Any]:
 @contextmanager
 def variant(name: str) -> Iterator[None]:
     """The receive buffer of `name`, put back afterwards."""
-    buffer = aiortc_tuning._PrefetchJitterBuffer
+    buffer = aiortc_tuning.jitter.PrefetchJitterBuffer
     late = buffer.LATE_PACKETS
     try:
         if name == "aiortc":

@@ -49,7 +49,7 @@ def audio_frame(pcm: np.ndarray, layout: str) -> AudioFrame:
 
 
 def test_audio_level_matches_aiortc_on_random_frames() -> None:
-    stock = aiortc_tuning._STOCK_LEVEL
+    stock = aiortc_tuning.audio_level.STOCK
     rng = np.random.default_rng(7)
     for layout, channels in (("stereo", 2), ("mono", 1)):
         for _ in range(200):
@@ -73,7 +73,7 @@ def test_audio_level_is_faster() -> None:
             fn(frame)  # type: ignore[operator]
         return (time.perf_counter() - start) / repeat * 1e6
 
-    stock = min(per_frame_us(aiortc_tuning._STOCK_LEVEL, 200) for _ in range(3))
+    stock = min(per_frame_us(aiortc_tuning.audio_level.STOCK, 200) for _ in range(3))
     tuned = min(per_frame_us(aiortc_tuning.compute_audio_level_dbov, 2000) for _ in range(3))
     print(f"\naudio level per 20 ms stereo frame: stock {stock:.1f} µs, numpy {tuned:.1f} µs")
     assert tuned < stock
@@ -160,12 +160,12 @@ def test_apply_is_idempotent_and_restore_undoes_it(stock_aiortc: None) -> None:
     video = aiortc.rtcrtpreceiver.JitterBuffer(capacity=512, is_video=True)
     assert video._prefetch == 0
     aiortc_tuning.restore()
-    assert aiortc.rtp.compute_audio_level_dbov is aiortc_tuning._STOCK_LEVEL
-    assert aiortc.rtcrtpreceiver.JitterBuffer is aiortc_tuning._STOCK_JITTER_BUFFER
+    assert aiortc.rtp.compute_audio_level_dbov is aiortc_tuning.audio_level.STOCK
+    assert aiortc.rtcrtpreceiver.JitterBuffer is aiortc_tuning.jitter.STOCK
     assert RTCRtpSender._next_encoded_frame is stock_sender
-    assert aiortc_tuning._DatagramTransport._read_ready is aiortc_tuning._STOCK_DATAGRAM_READ
-    assert RTCRtpReceiver.__init__ is aiortc_tuning._STOCK_RECEIVER_INIT
-    assert aiortc.rtcrtpreceiver.decoder_worker is aiortc_tuning._STOCK_DECODER_WORKER
+    assert aiortc_tuning.udp_drain.DatagramTransport._read_ready is aiortc_tuning.udp_drain.STOCK
+    assert RTCRtpReceiver.__init__ is aiortc_tuning.loop_decode.STOCK_RECEIVER_INIT
+    assert aiortc.rtcrtpreceiver.decoder_worker is aiortc_tuning.loop_decode.STOCK_DECODER_WORKER
     with pytest.raises(ValueError, match="audio_prefetch"):
         aiortc_tuning.apply(-1)
     with pytest.raises(ValueError, match="udp_reads_per_wake"):
@@ -191,7 +191,7 @@ async def test_audio_decodes_in_order_and_a_bad_frame_is_dropped_not_fatal(
     """An audio receiver's frames reach its track decoded, in order, on the loop as they are
     put or from its thread; a frame that fails is logged and dropped and the next one decodes.
     Video keeps aiortc's queue for its thread."""
-    monkeypatch.setattr(aiortc_tuning, "OpuslibDecoder", _Decoder)
+    monkeypatch.setattr(aiortc_tuning.loop_decode, "OpuslibDecoder", _Decoder)
     aiortc_tuning.apply(opus="opuslib", decode_on_loop=on_loop)
     assert aiortc_tuning.decode_on_loop() is on_loop
     transport = types.SimpleNamespace(state="new")
@@ -303,7 +303,7 @@ def test_verify_fails_when_the_sender_no_longer_uses_the_executor(
     async def rewritten(self: RTCRtpSender, codec: object) -> None:
         return None
 
-    monkeypatch.setattr(aiortc_tuning, "_STOCK_NEXT_ENCODED_FRAME", rewritten)
+    monkeypatch.setattr(aiortc_tuning.inline_encode, "STOCK", rewritten)
     with pytest.raises(aiortc_tuning.AiortcTuningError, match="run_in_executor"):
         aiortc_tuning.verify()
 
@@ -314,7 +314,7 @@ def test_verify_fails_when_asyncio_reads_datagrams_another_way(
     def rewritten(self: object) -> None:
         return None
 
-    monkeypatch.setattr(aiortc_tuning, "_STOCK_DATAGRAM_READ", rewritten)
+    monkeypatch.setattr(aiortc_tuning.udp_drain, "STOCK", rewritten)
     with pytest.raises(aiortc_tuning.AiortcTuningError, match="recvfrom"):
         aiortc_tuning.verify()
 
@@ -460,3 +460,16 @@ async def test_opuslib_decodes_at_the_pipeline_rate_and_keeps_the_round_trip(
         f"libopus {with_libopus:.0f} ms"
     )
     assert with_libopus < with_aiortc + 20
+
+
+def test_the_pinned_versions_are_the_ones_the_patches_were_written_against() -> None:
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    from gateway.aiortc_tuning import common
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pins = dict(d.split("==") for d in project["project"]["dependencies"] if "==" in d)
+    assert pins["aiortc"] == common.AIORTC_VERSION == importlib.metadata.version("aiortc")
+    assert pins["aioice"] == common.AIOICE_VERSION == importlib.metadata.version("aioice")
