@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh --test) and runs the whole suite: lint, format check, pytest.
+# Sets up (scripts/setup.sh --test) and runs the whole suite: lint, format check, the import
+# contracts (layers, no cycles: pyproject.toml's tool.importlinter), pytest.
 # Fails on any failed test, and also when pytest collects no test at all (its exit 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/lint-imports
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?
