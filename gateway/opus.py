@@ -30,8 +30,8 @@ FRAME_MS = 20
 MAX_PACKET_BYTES = 1275  # RFC 6716: the largest Opus frame
 VOICE_BITRATE = 32_000  # mono speech: transparent well below aiortc's 96 kb/s stereo
 # The agent's voice is clean synthesized speech: libopus' "audio" mode at complexity 5 codes it
-# in a quarter of the CPU of "voip" at 10 (SILK), which is what the gateway pays per call
-# (loadtest/opus_bench.py: 395 -> 94 µs per 20 ms at 24 kHz, this machine).
+# in about a quarter of the CPU of "voip" at 10 (SILK), which is what the gateway pays per call
+# (loadtest/opus_bench.py compares them).
 ENCODER_APPLICATION = "audio"
 ENCODER_COMPLEXITY = 5
 
@@ -96,8 +96,8 @@ class VoiceEncoder:
 
     Audio mode codes with CELT, whose decoder rings on after its input is cut to silence: its
     pitch post-filter decays by about 0.7 a frame, so a strongly periodic voice cut by a
-    barge-in goes on sounding for 100-300 ms at the caller (measured with the random-weight
-    SpeechT5 voice: 17 frames above the silence level where SILK stops at once). A cut from
+    barge-in goes on sounding for 100-300 ms at the caller (with the random-weight SpeechT5
+    voice, 17 frames above the silence level, where SILK stops at once). A cut from
     sound to digital silence therefore resets the encoder first; its first silent packet then
     ends the sound where it was cut.
     """

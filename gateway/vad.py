@@ -9,7 +9,7 @@ Knobs and their mapping onto webrtcvad:
 - `threshold` (0..1, OpenAI default 0.5): higher means louder/clearer speech is needed, like
   OpenAI's. webrtcvad has four aggressiveness modes, so the range is cut in quarters:
   [0, 0.25) → 0, [0.25, 0.5) → 1, [0.5, 0.75) → 2, [0.75, 1] → 3. The default lands on mode 2,
-  which measured best here (frame accuracy 0.96).
+  the most accurate on speech at 16 kHz (frame accuracy 0.96).
 - `prefix_padding_ms` (default 300): audio before the detected start that goes with the start.
 - `silence_duration_ms` (default 500): unvoiced time after the last speech that ends the turn.
 - `onset_ms` (default 60): voiced time in a row that it takes to start a turn (or, inside a turn,

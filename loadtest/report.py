@@ -1,5 +1,6 @@
 """The load report: conversing WebRTC callers against the gateway and the stages of
-configs/offline.yaml on 127.0.0.1, at several concurrencies in one run.
+configs/offline.yaml on 127.0.0.1, at several concurrencies in one run. (About 500 lines: the
+run, its figures and their tables stay together, as one command prints them.)
 
     python -m loadtest.report [--loads 1,2,4,8,10] [--max-calls 8] [--turns 3] [--out DIR]
 

@@ -1,6 +1,7 @@
 """OpenAI Realtime conformance, driven by the official `openai` SDK over the WebSocket API,
 against the real gateway and stages (pocketsphinx, vLLM on the tiny model, espeak-ng), with
-API keys on. Also the HTTP side: client secrets, /v1/audio/speech, auth failures."""
+API keys on. Also the HTTP side: client secrets, /v1/audio/speech, auth failures. (One module
+over 500 lines: every test shares one served pipeline, which takes half a minute to start.)"""
 
 from __future__ import annotations
 
