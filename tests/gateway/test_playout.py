@@ -38,8 +38,9 @@ async def test_frames_are_paced_at_20ms_without_drift() -> None:
     )
     assert statistics.median(intervals) == pytest.approx(20, abs=1)
     assert late_ms.min() > -0.5  # never early
-    # No drift: frames in the last quarter are as punctual as the rest.
-    assert np.median(late_ms) < 3 and np.median(late_ms[75:]) < 3
+    # No drift: frames in the last quarter are as punctual as the rest (within a margin that a
+    # loaded 2-core machine's timer wake-ups stay in; a drift of 0.1 ms a frame exceeds it).
+    assert np.median(late_ms) < 5 and np.median(late_ms[75:]) < 5
     assert [f.pts for f in frames] == [i * FRAME_SAMPLES for i in range(101)]
     first = frames[0]
     assert (first.sample_rate, first.samples, first.format.name, first.layout.name) == (
