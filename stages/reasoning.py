@@ -58,7 +58,9 @@ logger = logging.getLogger(__name__)
 def resolve_model(config: ReasoningConfig) -> str:
     """The model path or id to load; the built-in tiny model is built on first use."""
     if config.model != TINY_CHAT_MODEL:
-        return config.model
+        from stages.backends import bundled
+
+        return bundled.resolve(config.model)
     from stages.backends.tiny_chat_model import ensure_tiny_chat_model
 
     path = ensure_tiny_chat_model()
@@ -402,7 +404,8 @@ class ReasoningStage(Stage):
             await self._stop(previous)
             previous.record(state.conversation, previous.text)
         started = ResponseStarted(response.response_id, turn_id, options.audio, options.paced)
-        held = response.held is not None
+        # released already if its turn ended before this task ran: the vocoder holds nothing
+        held = response.held is not None and response.held.holding
         self._emit(session, response, "vocoder", msgspec.structs.replace(started, held=held))
         self._emit(session, response, GATEWAY, started)
         prompt = state.conversation.prompt(options.instructions)

@@ -152,3 +152,33 @@ def test_a_reply_stopped_unheard_leaves_no_trace_in_the_history() -> None:
     done.record(state.conversation, "It is noon.")
     stage.give("gateway", Kind.RESPONSE_STOP, ResponseStop("resp_5_2"))
     assert state.conversation.messages == [{"role": "user", "content": "what is the time"}]
+
+
+class OneWordEngine:
+    """Stands in for stages.backends.llm_vllm.ReasoningEngine: every reply is one word."""
+
+    async def generate(self, request_id: str, prompt, sampling=None):
+        yield "Noon."
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+
+async def test_an_early_reply_released_before_its_task_ran_is_not_held_by_the_vocoder() -> None:
+    """The turn ended as it was at the pause before the early reply's task first ran: what
+    it makes goes out as it is made, and the vocoder is not told to hold it (a RESPONSE_RELEASE
+    it got before the reply's start would never come again)."""
+    from stages.messages import ResponseStarted, TextDelta
+    from stages.tasks import Tasks
+
+    stage = Dispatching()
+    stage.tasks, stage.engine = Tasks(), OneWordEngine()
+    stage.give("encoder", Kind.TRANSCRIPT, Transcript(1, "what time is it", True, speculative=True))
+    stage.give("encoder", Kind.TRANSCRIPT, Transcript(1, "what time is it", final=True))
+    done, running = await asyncio.wait(list(stage.tasks), timeout=5)
+    assert done and not running
+    sent = stage.sent
+    started = [m for m in sent if isinstance(m, ResponseStarted)]
+    assert started and not any(m.held for m in started), started
+    assert ResponseRelease("resp_5_1", keep=True) in sent
+    assert any(isinstance(m, TextDelta) and m.text == "Noon." for m in sent)
