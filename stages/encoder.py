@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from stages.backends import bundled
 from stages.backends.speech import RecognizerStream, SpeechRecognizer
 from stages.config import EncoderConfig
 from stages.envelope import Envelope
@@ -35,11 +36,21 @@ def load_recognizer(config: EncoderConfig) -> SpeechRecognizer:
         from stages.backends.asr_pocketsphinx import load_pocketsphinx
 
         return load_pocketsphinx(**config.options)
+    assert config.model is not None  # the config validator makes sure
+    model = bundled.resolve(config.model)
+    if config.backend == "ctranslate2":
+        from stages.backends.asr_ctranslate2 import load_ctranslate2_whisper
+
+        return load_ctranslate2_whisper(
+            model,
+            device=config.device,
+            partial_interval_ms=config.partial_interval_ms,
+            **config.options,
+        )
     from stages.backends.asr_whisper import load_whisper
 
-    assert config.model is not None  # the config validator makes sure
     return load_whisper(
-        config.model,
+        model,
         device=config.device,
         partial_interval_ms=config.partial_interval_ms,
         **config.options,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from stages.backends import bundled
 from stages.backends.speech import Voice, split_pcm16
 from stages.config import VocoderConfig
 from stages.envelope import Envelope
@@ -59,12 +60,18 @@ def load_voice(config: VocoderConfig) -> Voice:
         from stages.backends.tts_espeak import load_espeak
 
         return load_espeak(voice=config.voice, **config.options)
+    assert config.model  # the config validator makes sure
+    model = bundled.resolve(config.model)
+    if config.backend == "piper":
+        from stages.backends.tts_piper import load_piper
+
+        return load_piper(model, **config.options)
     from stages.backends.tts_speecht5 import load_speecht5
 
-    assert config.model and config.vocoder  # the config validator makes sure
+    assert config.vocoder  # the config validator makes sure
     return load_speecht5(
-        config.model,
-        config.vocoder,
+        model,
+        bundled.resolve(config.vocoder),
         speaker_embedding=config.speaker_embedding,
         device=config.device,
         **config.options,

@@ -1,10 +1,5 @@
 """Whisper speech recognizer through transformers (a local folder, or a hub id already cached).
-
-Whisper is not a streaming model: it transcribes windows of up to 30 s. A stream buffers the
-turn's audio and re-decodes the whole buffer each time ``partial_interval_ms`` more audio has
-arrived, which gives partial transcripts at that pace, and decodes once more at ``finish``. A turn
-longer than a window is cut into consecutive 30 s windows; the text of a full window is kept and
-not re-decoded (a word that straddles the cut may be lost).
+A turn is a stream of windows re-decoded for partials (stages.backends.whisper_stream).
 
 One model serves all streams of the process. Whisper's input is a fixed-size window, so decodes
 asked for at the same time (turns of several callers ending together, on the encoder stage's
@@ -27,8 +22,6 @@ import numpy as np
 from stages.backends.speech import (
     ASR_SAMPLE_RATE,
     SpeechOptionError,
-    StreamClosedError,
-    as_pcm16,
     gpu_stream,
     load_error,
     pcm16_to_float,
@@ -40,6 +33,7 @@ from stages.backends.speech import (
 from stages.backends.speech import torch_device as load_device
 from stages.backends.whisper_greedy import GreedyDecoder
 from stages.backends.whisper_static import StaticDecoder
+from stages.backends.whisper_stream import WhisperStream
 from stages.passlog import PassLog
 
 if TYPE_CHECKING:
@@ -327,75 +321,3 @@ class _Decode:
         self.text = ""
         self.error: Exception | None = None
         self.done = False
-
-
-class WhisperStream:
-    """One turn: buffered audio, re-decoded for partials every ``partial_interval_ms``."""
-
-    def __init__(self, recognizer: WhisperRecognizer) -> None:
-        self._recognizer = recognizer
-        self._chunks: list[np.ndarray] = []
-        self._buffered = 0  # samples in the current window
-        self._since_decode = 0  # samples fed since the last partial decode
-        self._committed: list[str] = []  # text of the full windows already cut off
-        self._partial = ""
-        self._interval = ASR_SAMPLE_RATE * recognizer.partial_interval_ms // 1000
-        self._done = False
-
-    def feed(self, pcm16: np.ndarray) -> str | None:
-        """Buffer audio; re-decode when enough came since the last decode; report a change."""
-        if self._done:
-            raise StreamClosedError("cannot feed: this recognizer stream is finished or closed")
-        pcm16 = as_pcm16(pcm16)
-        if len(pcm16) == 0:
-            return None
-        self._chunks.append(pcm16.copy())
-        self._buffered += len(pcm16)
-        self._since_decode += len(pcm16)
-        self._commit_full_windows()
-        if self._interval == 0 or self._since_decode < self._interval or self._buffered == 0:
-            return None
-        self._since_decode = 0
-        text = self._text(self._recognizer.transcribe(self._window()))
-        if text and text != self._partial:
-            self._partial = text
-            return text
-        return None
-
-    def peek(self) -> str:
-        """The transcript if the turn ended now; the stream stays open for more audio."""
-        if self._done:
-            raise StreamClosedError("cannot peek: this recognizer stream is finished or closed")
-        tail = self._recognizer.transcribe(self._window()) if self._buffered else ""
-        return self._text(tail)
-
-    def finish(self) -> str:
-        """Decode what is buffered and return the turn's transcript."""
-        if self._done:
-            raise StreamClosedError("cannot finish: this recognizer stream is finished or closed")
-        try:
-            return self.peek()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Drop the buffered audio; safe to call twice."""
-        self._done = True
-        self._chunks = []
-        self._buffered = 0
-
-    def _window(self) -> np.ndarray:
-        if len(self._chunks) > 1:
-            self._chunks = [np.concatenate(self._chunks)]
-        return self._chunks[0]
-
-    def _commit_full_windows(self) -> None:
-        window = self._recognizer.window_samples
-        while self._buffered > window:
-            audio = self._window()
-            self._committed.append(self._recognizer.transcribe(audio[:window]))
-            self._chunks = [audio[window:]]
-            self._buffered -= window
-
-    def _text(self, tail: str) -> str:
-        return " ".join(part for part in (*self._committed, tail) if part)

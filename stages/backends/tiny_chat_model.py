@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stages.backends.model_cache import build_once, cache_folder
+
 logger = logging.getLogger(__name__)
 
-#: Written last; a folder without it is a half-finished build and is rebuilt.
-COMPLETE_MARKER = ".omni-gateway-build-complete"
+
 #: Present in every folder this module builds: the weights are random, the output is noise.
 RANDOM_WEIGHTS_MARKER = "random_weights"
 
@@ -51,14 +49,7 @@ MODEL_SHAPE = {
 
 def default_cache_folder() -> Path:
     """``$OMNI_GATEWAY_CACHE/tiny-chat`` if set, else ``~/.cache/omni-gateway/tiny-chat``."""
-    root = os.environ.get("OMNI_GATEWAY_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "omni-gateway"
-    return base / "tiny-chat"
-
-
-def is_complete(folder: Path) -> bool:
-    """True when ``folder`` holds a finished build (its completion marker was written)."""
-    return (folder / COMPLETE_MARKER).is_file()
+    return cache_folder("tiny-chat")
 
 
 def has_random_weights(folder: Path) -> bool:
@@ -69,7 +60,7 @@ def has_random_weights(folder: Path) -> bool:
 def ensure_tiny_chat_model(folder: Path | None = None) -> Path:
     """Build the tiny chat model into ``folder`` unless a finished build is already there."""
     folder = Path(folder) if folder is not None else default_cache_folder()
-    return build_once(folder, _build, "chat")
+    return build_once(folder, _build, "tiny chat model (random weights)")
 
 
 def ensure_chat_model(
@@ -80,39 +71,8 @@ def ensure_chat_model(
     return build_once(
         Path(folder),
         functools.partial(_build, shape=shape, vocab_size=vocab_size, device=device),
-        "chat",
+        "chat model (random weights)",
     )
-
-
-def build_once(folder: Path, build: Callable[[Path], None], what: str) -> Path:
-    """Run ``build(staging)`` unless ``folder`` holds a finished build; return the folder.
-
-    The build goes into a temporary sibling folder that is marked complete and renamed into
-    place at the end, so a crash never leaves a folder that looks finished, and concurrent
-    builders do not clash.
-    """
-    folder = Path(folder).expanduser().absolute()
-    if is_complete(folder):
-        return folder
-    if folder.exists():
-        logger.warning("rebuilding unfinished tiny %s model folder %s", what, folder)
-        shutil.rmtree(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the model folder is not a secret
-    try:
-        build(staging)
-        (staging / COMPLETE_MARKER).write_text("ok\n")
-        try:
-            staging.rename(folder)
-        except OSError:
-            # Another process finished first; its build is as good as ours.
-            if not is_complete(folder):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    logger.info("built tiny %s model (random weights) in %s", what, folder)
-    return folder
 
 
 def _training_text(source_bytes: int = 0) -> Iterator[str]:

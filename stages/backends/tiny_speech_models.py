@@ -17,13 +17,13 @@ import io
 import itertools
 import json
 import logging
-import os
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from stages.backends.tiny_chat_model import RANDOM_WEIGHTS_MARKER, build_once, stdlib_sources
+from stages.backends.model_cache import build_once, cache_folder
+from stages.backends.tiny_chat_model import RANDOM_WEIGHTS_MARKER, stdlib_sources
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -86,23 +86,18 @@ class TinySpeechT5(NamedTuple):
     vocoder: Path
 
 
-def default_cache_folder(name: str) -> Path:
-    """``$OMNI_GATEWAY_CACHE/<name>`` if set, else ``~/.cache/omni-gateway/<name>``."""
-    root = os.environ.get("OMNI_GATEWAY_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "omni-gateway"
-    return base / name
+TINY_WHISPER = "whisper model (random weights)"
+TINY_SPEECHT5 = "speecht5 voice (random weights)"
 
 
 def ensure_tiny_whisper(folder: Path | None = None) -> Path:
     """Build a tiny random Whisper (model, tokenizer, feature extractor) unless already built."""
-    return build_once(folder or default_cache_folder("tiny-whisper"), _build_whisper, "whisper")
+    return build_once(folder or cache_folder("tiny-whisper"), _build_whisper, TINY_WHISPER)
 
 
 def ensure_tiny_speecht5(folder: Path | None = None) -> TinySpeechT5:
     """Build a tiny random SpeechT5 (model + processor) and HiFi-GAN (in ``vocoder/``)."""
-    folder = build_once(
-        folder or default_cache_folder("tiny-speecht5"), _build_speecht5, "speecht5"
-    )
+    folder = build_once(folder or cache_folder("tiny-speecht5"), _build_speecht5, TINY_SPEECHT5)
     return TinySpeechT5(model=folder, vocoder=folder / "vocoder")
 
 
@@ -113,7 +108,7 @@ def ensure_whisper(
     build = functools.partial(
         _build_whisper, shape=shape, vocab_size=vocab_size, paragraphs=None, device=device
     )
-    return build_once(Path(folder), build, "whisper")
+    return build_once(Path(folder), build, TINY_WHISPER)
 
 
 def ensure_speecht5(
@@ -123,7 +118,7 @@ def ensure_speecht5(
     build = functools.partial(
         _build_speecht5, shape=shape, hifigan_shape=hifigan_shape, device=device
     )
-    folder = build_once(Path(folder), build, "speecht5")
+    folder = build_once(Path(folder), build, TINY_SPEECHT5)
     return TinySpeechT5(model=folder, vocoder=folder / "vocoder")
 
 

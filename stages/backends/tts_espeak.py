@@ -1,30 +1,23 @@
-"""Embedded offline voice: libespeak-ng from the espeakng-loader wheel, driven through ctypes.
+"""Embedded offline voice: espeak-ng's own synthesis (stages.backends.espeak_library).
 
-No Debian package and no download: the wheel ships the library and its voice data. espeak-ng is a
-process-wide library with global state (one voice, one set of parameters, one callback), so every
-synthesis holds ``_EspeakLibrary.lock`` from setting the voice to the last sample.
-
-Synthesis runs in synchronous mode: ``espeak_Synth`` returns only when the whole text is spoken,
-calling back with ~50 ms buffers along the way. It runs on a short-lived thread (ctypes releases the
-GIL for the call) and hands buffers to the consuming generator through a queue, so the first chunk
-is out after a few ms even for a long text; closing the generator makes the next callback abort the
-synthesis.
+No Debian package and no download: the espeakng-loader wheel ships the library and its voice
+data. A synthesis runs on a short-lived thread (ctypes releases the GIL for the call) and hands
+~50 ms buffers to the consuming generator through a queue, so the first chunk is out after a few
+ms even for a long text; closing the generator makes the next callback abort the synthesis.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from stages.backends.espeak_library import EE_OK, EspeakLibrary, SynthJob
 from stages.backends.speech import (
     MAX_CHUNK_MS,
-    SpeechBackendError,
     SpeechOptionError,
     reject_unknown_options,
     split_pcm16,
@@ -32,23 +25,11 @@ from stages.backends.speech import (
 
 logger = logging.getLogger(__name__)
 
-# speak_lib.h constants.
-_AUDIO_OUTPUT_SYNCHRONOUS = 2
-_INITIALIZE_DONT_EXIT = 0x8000  # return an error instead of calling exit() on bad data
-_CHARS_UTF8 = 1
-_POS_CHARACTER = 1
-_EE_OK = 0
-_PARAM_RATE, _PARAM_VOLUME, _PARAM_PITCH = 1, 2, 3
-#: Length of the buffers espeak hands to the callback.
-_BUFFER_MS = 50
+_PARAM_RATE, _PARAM_VOLUME, _PARAM_PITCH = 1, 2, 3  # speak_lib.h
 
 RATE_WPM_RANGE = (80, 450)
 PITCH_RANGE = (0, 100)
 VOLUME_RANGE = (0, 200)
-
-_SynthCallback = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p
-)
 
 
 def load_espeak(
@@ -71,9 +52,9 @@ def load_espeak(
     _check_int("chunk_ms", chunk_ms, 10, MAX_CHUNK_MS)
     if not isinstance(voice, str) or not voice:
         raise SpeechOptionError(f"espeak option voice={voice!r} must be a voice name like 'en-us'")
-    library = _EspeakLibrary.get()
+    library = EspeakLibrary.get()
     with library.lock:
-        if library.set_voice(voice) != _EE_OK:
+        if library.set_voice(voice) != EE_OK:
             raise SpeechOptionError(
                 f"espeak option voice={voice!r}: no such espeak-ng voice "
                 "(use a language code such as 'en-us', 'en-gb', 'de', optionally '+variant')"
@@ -94,7 +75,7 @@ class EspeakVoice:
 
     def __init__(
         self,
-        library: _EspeakLibrary,
+        library: EspeakLibrary,
         voice: str,
         rate_wpm: int,
         pitch: int,
@@ -112,7 +93,7 @@ class EspeakVoice:
         returning True (asked at every buffer), aborts it."""
         if not text.strip():
             return
-        job = _SynthJob(stop)
+        job = SynthJob(stop)
         worker = threading.Thread(
             target=self._library.synthesize,
             args=(job, text, self.voice, self._params),
@@ -131,112 +112,3 @@ class EspeakVoice:
         finally:
             job.cancelled = True
             worker.join()
-
-
-class _SynthJob:
-    """One synthesis: the buffers go to ``output`` (then None); ``cancelled`` or ``stop``
-    aborts it."""
-
-    def __init__(self, stop: Callable[[], bool] | None = None) -> None:
-        self.output: queue.SimpleQueue[np.ndarray | BaseException | None] = queue.SimpleQueue()
-        self.cancelled = False
-        self.stop = stop
-
-    def should_abort(self) -> bool:
-        return self.cancelled or (self.stop is not None and self.stop())
-
-
-class _EspeakLibrary:
-    """The process-wide libespeak-ng, initialized once; ``lock`` serializes everything."""
-
-    _instance: _EspeakLibrary | None = None
-    _instance_lock = threading.Lock()
-
-    @classmethod
-    def get(cls) -> _EspeakLibrary:
-        with cls._instance_lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def __init__(self) -> None:
-        import espeakng_loader
-
-        self.lock = threading.Lock()
-        self._job: _SynthJob | None = None
-        lib = ctypes.CDLL(espeakng_loader.get_library_path())
-        lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        lib.espeak_Initialize.restype = ctypes.c_int
-        lib.espeak_SetSynthCallback.argtypes = [_SynthCallback]
-        lib.espeak_SetSynthCallback.restype = None
-        lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
-        lib.espeak_SetVoiceByName.restype = ctypes.c_int
-        lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.espeak_SetParameter.restype = ctypes.c_int
-        lib.espeak_Synth.argtypes = [
-            ctypes.c_void_p,  # text
-            ctypes.c_size_t,  # size in bytes, including the terminating NUL
-            ctypes.c_uint,  # position
-            ctypes.c_int,  # position type
-            ctypes.c_uint,  # end position (0: none)
-            ctypes.c_uint,  # flags
-            ctypes.POINTER(ctypes.c_uint),  # unique identifier (unused)
-            ctypes.c_void_p,  # user data (unused: the job is in self._job)
-        ]
-        lib.espeak_Synth.restype = ctypes.c_int
-        data_path = espeakng_loader.get_data_path()
-        rate = lib.espeak_Initialize(
-            _AUDIO_OUTPUT_SYNCHRONOUS, _BUFFER_MS, data_path.encode(), _INITIALIZE_DONT_EXIT
-        )
-        if rate <= 0:
-            raise SpeechBackendError(
-                f"espeak_Initialize failed ({rate}) with data path {data_path!r}"
-            )
-        self.sample_rate: int = rate
-        # Keep a reference: ctypes does not, and a collected callback crashes the next synthesis.
-        self._callback = _SynthCallback(self._on_audio)
-        lib.espeak_SetSynthCallback(self._callback)
-        self._lib = lib
-        logger.info("espeak-ng initialized at %d Hz from %s", rate, data_path)
-
-    def set_voice(self, voice: str) -> int:
-        """Select ``voice``; the caller holds ``lock``. Returns espeak's status (0 = ok)."""
-        return self._lib.espeak_SetVoiceByName(voice.encode())
-
-    def synthesize(
-        self, job: _SynthJob, text: str, voice: str, params: tuple[tuple[int, int], ...]
-    ) -> None:
-        """Speak ``text`` into ``job.output`` (run on the job's thread); always ends with None."""
-        try:
-            with self.lock:
-                if job.cancelled:
-                    return
-                if self.set_voice(voice) != _EE_OK:
-                    raise SpeechBackendError(f"espeak-ng lost voice {voice!r}")
-                for param, value in params:
-                    self._lib.espeak_SetParameter(param, value, 0)
-                encoded = text.encode("utf-8") + b"\0"
-                self._job = job
-                try:
-                    status = self._lib.espeak_Synth(
-                        encoded, len(encoded), 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None
-                    )
-                finally:
-                    self._job = None
-                if status != _EE_OK:
-                    raise SpeechBackendError(f"espeak_Synth failed with status {status}")
-        except BaseException as exc:
-            job.output.put(exc)
-        finally:
-            job.output.put(None)
-
-    def _on_audio(self, wav: Any, count: int, _events: Any) -> int:
-        """espeak's synth callback: copy the buffer out; returning 1 aborts the synthesis."""
-        job = self._job
-        if job is None:
-            return 0
-        if job.should_abort():
-            return 1
-        if count > 0 and wav:
-            job.output.put(np.ctypeslib.as_array(wav, shape=(count,)).copy())
-        return 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from stages.backends import tiny_chat_model
+from stages.backends import model_cache, tiny_chat_model
 from stages.backends.llm_vllm import EngineConfigError, ModelNotFoundError, ReasoningEngine
 from stages.backends.tiny_chat_model import ensure_tiny_chat_model
 from stages.backends.vllm_stats import StepLog
@@ -255,7 +255,7 @@ def test_tiny_model_build_is_idempotent_and_resumes(
     def fake_build(folder: Path) -> None:
         builds.append(folder)
         (folder / "config.json").write_text("{}")
-        (folder / tiny_chat_model.COMPLETE_MARKER).write_text("ok\n")
+        (folder / model_cache.COMPLETE_MARKER).write_text("ok\n")
 
     monkeypatch.setattr(tiny_chat_model, "_build", fake_build)
     target = tmp_path / "tiny"
@@ -269,7 +269,7 @@ def test_tiny_model_build_is_idempotent_and_resumes(
 
 
 def test_tiny_model_folder_is_marked_random(tiny_model: Path) -> None:
-    assert tiny_chat_model.is_complete(tiny_model)
+    assert model_cache.is_complete(tiny_model)
     assert tiny_chat_model.has_random_weights(tiny_model)
 
 
