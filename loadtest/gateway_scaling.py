@@ -48,7 +48,7 @@ from loadtest.gpu_run import add_set_argument, caller_speech, log, run_callers, 
 from loadtest.report import Processes, gap_figures, machine, spoken_questions
 from loadtest.service import Service
 
-CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
+CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 GAP_MS = 60.0
 BARGE_IN_MS = 150.0  # DESIGN.md: the caller's speech onset to the agent's audio stopping
 GAP_INTERVAL_S = 0.08  # a 20 ms frame stream's interval over this is a gap over 60 ms

@@ -5,7 +5,7 @@
    send path (the vocoder's 22,050 Hz to Opus packets), CPU time and the delay the resampling
    filters add (an impulse's shift);
 2. with the load generator: N conversing WebRTC callers (in their own process) against the
-   gateway (stages from configs/offline.yaml) once per codec: the gateway process's CPU per
+   gateway (stages from configs/tiny.yaml) once per codec: the gateway process's CPU per
    session and the callers' turn latency.
 
     python -m loadtest.opus_bench [--callers 6] [--turns 3]
@@ -183,7 +183,7 @@ async def _load_run(
 
 async def load(n: int, turns: int) -> list[dict]:
     config = load_config(
-        Path("configs/offline.yaml"),
+        Path("configs/tiny.yaml"),
         {"gateway.port": 0, "gateway.max_calls": n + 2, "max_sessions": max(16, n + 4)},
     )
     speech = spoken("what is the weather like")

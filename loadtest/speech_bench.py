@@ -1,9 +1,9 @@
 """Time to first audio byte against whole synthesis time for POST /v1/audio/speech.
 
-Starts the stages of a configuration (default: configs/offline.yaml, espeak-ng) and the
+Starts the stages of a configuration (default: configs/tiny.yaml, espeak-ng) and the
 gateway on 127.0.0.1, then asks for the same texts streamed and unstreamed, side by side:
 
-    python -m loadtest.speech_bench [--config configs/offline.yaml] [--repeat 5]
+    python -m loadtest.speech_bench [--config configs/tiny.yaml] [--repeat 5]
 
 Prints a table and, last, one JSON line.
 """
@@ -102,7 +102,7 @@ async def run(config_path: Path, repeat: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=Path("configs/offline.yaml"))
+    parser.add_argument("--config", type=Path, default=Path("configs/tiny.yaml"))
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     result = asyncio.run(run(args.config, args.repeat))

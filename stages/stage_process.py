@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -80,6 +81,14 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
     """Entry point of a stage process: load, report ready, run until SIGTERM."""
     # before anything can initialise CUDA: this process and its children see only its GPUs
     os.environ.update(spec.env)
+    if spec.log_level > logging.DEBUG:
+        # model libraries' own start-up chatter (vLLM's config dumps and its notes on what
+        # this CPU lacks, torch's C++ warnings, deprecations) only with --log-level DEBUG;
+        # their errors still show
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # its children too
+        warnings.filterwarnings("ignore", category=FutureWarning)
     # stdout belongs to the command that started us (say-file --json prints there); model
     # libraries log to stdout, so point it, and their own child processes, at stderr
     sys.stdout.flush()
@@ -89,6 +98,8 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
         level=spec.log_level,
         format=f"%(asctime)s {spec.stage}[%(process)d] %(levelname)s %(message)s",
     )
+    if spec.log_level > logging.DEBUG:
+        logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # a line a decode
     stop = threading.Event()
     # Ctrl-C reaches the whole process group; the supervisor decides, and stops us by SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)

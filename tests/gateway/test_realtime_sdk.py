@@ -27,14 +27,14 @@ from stages.audio import resample
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
-OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 KEY = "sk-omni-test-key"
 
 
 @pytest.fixture(scope="module")
 def config():
     return load_config(
-        OFFLINE,
+        TINY,
         {
             "reasoning.sampling": {"max_tokens": 24, "ignore_eos": True},
             "gateway.auth": {"enabled": True, "api_keys": [KEY], "api_keys_env": None},

@@ -13,7 +13,7 @@ from stages.messages import CancelAck, Kind, TextDelta
 from stages.rings import RingNames
 from tests.stages.stage_events import Epochs
 
-OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
 
 class Link:
@@ -32,7 +32,7 @@ class Owner:
 def test_records_a_cancel_made_stale_on_their_way_to_the_loop_are_dropped() -> None:
     """The ring drops records of a cancelled epoch; one popped just before the cancel is still
     dropped when the loop comes to it, unless it is one that must always arrive (an ack)."""
-    gateway = Gateway(load_config(OFFLINE), RingNames.fresh(), 22050, lambda: True)
+    gateway = Gateway(load_config(TINY), RingNames.fresh(), 22050, lambda: True)
     gateway.link = Link(epoch=4)  # type: ignore[assignment]
     owner = gateway.by_session[3] = Owner()  # type: ignore[assignment]
     stale, fresh = TextDelta("resp_1", "old", 0), TextDelta("resp_2", "new", 0)

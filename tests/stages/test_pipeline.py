@@ -24,7 +24,7 @@ from tests.stages.stage_events import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 SENTENCE = "what is the weather like today in paris"
 
 
@@ -32,7 +32,7 @@ SENTENCE = "what is the weather like today in paris"
 def config():
     # long replies (ignore_eos) so that there is always a reply in flight to cancel
     return load_config(
-        OFFLINE,
+        TINY,
         {
             "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
             "max_sessions": 16,

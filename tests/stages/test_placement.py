@@ -37,7 +37,7 @@ def split_layout(tp: int = 2) -> PipelineConfig:
 
 
 def test_cpu_config_needs_no_gpu_and_still_turns_multicast_off() -> None:
-    cpu = load_config(CONFIGS / "offline.yaml")
+    cpu = load_config(CONFIGS / "tiny.yaml")
     assert not wants_gpus(cpu)
     placements = plan(cpu, count=lambda: pytest.fail("a CPU layout must not count GPUs"))
     for p in placements.values():

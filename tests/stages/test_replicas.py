@@ -18,7 +18,7 @@ from stages.rings import RingNames, RingSet, attach_ends, role_of
 from stages.supervisor import Supervisor
 from tests.stages.stage_events import cancel_acks, wait_for
 
-OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
 
 def test_ring_names_expand_the_replicas() -> None:
@@ -46,7 +46,7 @@ def test_ring_names_expand_the_replicas() -> None:
 def test_the_config_says_whether_every_producer_yields_to_the_consumer_it_wakes(
     wake_yield: bool,
 ) -> None:
-    config = load_config(OFFLINE, {"rings.wake_yield": wake_yield})
+    config = load_config(TINY, {"rings.wake_yield": wake_yield})
     names = RingNames.fresh(wake_yield=config.rings.wake_yield)
     rings = RingSet(names, config)
     try:
@@ -80,7 +80,7 @@ def test_gateway_processes_own_strides_that_replicas_split() -> None:
 @pytest.fixture(scope="module")
 def config():
     return load_config(
-        OFFLINE,
+        TINY,
         {
             "vocoder.replicas": 2,
             "reasoning.sampling": {"max_tokens": 96, "ignore_eos": True},

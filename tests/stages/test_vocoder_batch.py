@@ -14,14 +14,14 @@ from stages.messages import Kind
 from stages.supervisor import Supervisor
 from tests.stages.stage_events import cancel_acks, wait_for
 
-OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 SESSIONS = 3
 
 
 @pytest.fixture(scope="module")
 def config(tiny_speecht5):
     return load_config(
-        OFFLINE,
+        TINY,
         {
             "reasoning.sampling": {"max_tokens": 24, "ignore_eos": True},
             "vocoder.backend": "speecht5",

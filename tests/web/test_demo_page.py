@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import wave
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,28 +21,17 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 from PIL import Image
-from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, expect
 
 from gateway.app import gateway_of
 from gateway.config import load_config
 from gateway.page import add_page_routes
 from tests.serving import metric, serving
+from tests.web.browser import PageProblems, launched
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
-OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-# ../shared/FACTS.md: the flags Debian's chromium needs for a fake microphone and loopback ICE
-CHROMIUM_FLAGS = [
-    "--use-fake-ui-for-media-stream",
-    "--use-fake-device-for-media-stream",
-    "--allow-loopback-in-peer-connection",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-gpu",
-]
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 RATE = 16000
 LEAD_S = 2.0  # covers getUserMedia -> call connected; speech before that would be lost
 PAUSE_S = 6.0  # the agent starts speaking 0.2-2 s after the question on 2 busy cores
@@ -56,7 +44,7 @@ API_KEY = "sk-demo-page-test"
 @pytest.fixture(scope="module")
 def config():
     return load_config(
-        OFFLINE,
+        TINY,
         {
             # replies long enough (about 13 s of speech) to be talked over
             "reasoning.sampling": {"max_tokens": 48, "ignore_eos": True},
@@ -92,30 +80,8 @@ def barge_in_wav(make_speech, tmp_path_factory) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def browser(barge_in_wav) -> AsyncIterator[Browser]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail("chromium missing: scripts/setup.sh --test installs it (Debian's chromium)")
-    async with async_playwright() as pw:
-        browser = await pw.chromium.launch(
-            executable_path=CHROMIUM,
-            # %noloop: after the WAV, the microphone hears silence instead of the WAV again
-            args=[*CHROMIUM_FLAGS, f"--use-file-for-fake-audio-capture={barge_in_wav}%noloop"],
-            timeout=30 * SECONDS,
-        )
+    async with launched(barge_in_wav) as browser:
         yield browser
-        await browser.close()
-
-
-class PageProblems:
-    """Console errors and uncaught exceptions of a page."""
-
-    def __init__(self, page: Page) -> None:
-        self.messages: list[str] = []
-        page.on("console", self._console)
-        page.on("pageerror", lambda exc: self.messages.append(f"uncaught: {exc}"))
-
-    def _console(self, message: ConsoleMessage) -> None:
-        if message.type == "error":
-            self.messages.append(f"console: {message.text}")
 
 
 @pytest_asyncio.fixture(loop_scope="module")

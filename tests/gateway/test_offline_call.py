@@ -1,0 +1,72 @@
+"""The offline profile (configs/offline.yaml) with its real models, end to end: a caller asks
+questions aloud over WebRTC (real aiortc peers on 127.0.0.1, real Opus) and hears correct
+spoken answers, Whisper tiny.en hearing them, SmolLM2 on vLLM answering, the Piper voice
+speaking."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gateway.client import RealtimeCall
+from gateway.config import load_config
+from stages.audio import resample, write_wav
+from stages.backends import bundled
+from stages.backends.asr_ctranslate2 import load_ctranslate2_whisper
+from stages.backends.tts_piper import load_piper
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+
+OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
+# (question, a word the right answer holds)
+QUESTIONS = [
+    ("What is the capital of France?", "paris"),
+    ("How many days are there in a week?", "seven"),
+]
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(OFFLINE, {"gateway.port": 0, "max_sessions": 8})
+
+
+@pytest.fixture(scope="module")
+def ear():
+    """A recognizer of the test's own, for what the caller heard."""
+    return load_ctranslate2_whisper(bundled.resolve("bundled:whisper-tiny.en"), cpu_threads=1)
+
+
+def words(text: str) -> str:
+    text = re.sub(r"\b7\b", "seven", text.lower())
+    return " ".join(re.sub(r"[^a-z' ]", " ", text).split())
+
+
+async def test_spoken_questions_get_correct_spoken_answers(server, ear, tmp_path) -> None:
+    base, _ = server
+    voice = load_piper(bundled.resolve("bundled:piper-en_US-joe-medium"))
+    call = await RealtimeCall.connect(base)
+    try:
+        for question, answer in QUESTIONS:
+            pcm = np.concatenate(list(voice.synthesize(question)))
+            silence = np.zeros(voice.sample_rate // 2, np.int16)
+            wav = tmp_path / "question.wav"
+            write_wav(wav, np.concatenate([silence, pcm, silence]), voice.sample_rate)
+            heard_from = len(call.speaker.pcm())
+            call.send_file(str(wav))
+            heard = await call.next_event(
+                "conversation.item.input_audio_transcription.completed", timeout=60
+            )
+            assert words(question) in words(heard["transcript"]), heard["transcript"]
+            done = await call.next_event("response.done", timeout=90)
+            (item,) = done["response"]["output"]
+            said = item["content"][0]["transcript"]
+            assert done["response"]["status"] == "completed", done
+            assert answer in words(said), said
+            await call.next_event("output_audio_buffer.stopped", timeout=60)
+            spoken = call.speaker.pcm()[heard_from:]
+            assert answer in words(ear.transcribe(resample(spoken, 48000, 16000))), said
+    finally:
+        await call.close()
