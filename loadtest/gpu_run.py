@@ -717,10 +717,7 @@ class Variant:
             overrides["mps_thread_percent"] = dict(self.thread_shares.shares)
         if self.gateway_processes is not None:
             overrides["gateway.processes"] = self.gateway_processes
-        for keys, value in self.settings:  # "a.b+c.d": both keys take the value, or one each
-            names = keys.split("+")
-            values = value if isinstance(value, tuple) else (value,) * len(names)
-            overrides |= dict(zip(names, values, strict=True))
+        overrides |= setting_overrides(self.settings)
         notes = [f"{k}: {v} (from the command line)" for k, v in overrides.items()]
         return overrides, notes
 
@@ -732,6 +729,17 @@ def sessions_of_first_gateway(config: Any) -> range:
 
     names = RingNames.fresh({GATEWAY: config.gateway.processes})
     return names.sessions_of(GATEWAY, config.max_sessions)
+
+
+def setting_overrides(settings: Any) -> dict[str, Any]:
+    """Config overrides from `--set` choices, (KEY, VALUE) each: "a.b+c.d" keys both take the
+    value, or one part each of a value of as many parts (parse_setting)."""
+    overrides: dict[str, Any] = {}
+    for keys, value in settings:
+        names = keys.split("+")
+        values = value if isinstance(value, tuple) else (value,) * len(names)
+        overrides |= dict(zip(names, values, strict=True))
+    return overrides
 
 
 def parse_setting(text: str) -> list[tuple[str, Any]]:

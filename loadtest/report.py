@@ -1,8 +1,9 @@
 """The load report: conversing WebRTC callers against the gateway and the stages of
-configs/offline.yaml on 127.0.0.1, at several concurrencies in one run. (About 500 lines: the
+configs/tiny.yaml on 127.0.0.1, at several concurrencies in one run. (About 500 lines: the
 run, its figures and their tables stay together, as one command prints them.)
 
     python -m loadtest.report [--loads 1,2,4,8,10] [--max-calls 8] [--turns 3] [--out DIR]
+        [--config configs/tiny.yaml] [--set KEY=V1,V2 ...]
 
 Callers (loadtest.conversation: real aiortc peers, real Opus, in processes of their own) speak
 questions made by espeak-ng, wait for the agent, listen a moment and talk over it (every turn
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -41,17 +43,19 @@ import numpy as np
 
 from loadtest.gpu_run import (
     HOPS,
+    add_set_argument,
     calls_gone,
     describe_machine,
     load_figures,
     log,
     run_callers,
+    setting_overrides,
     summary,
     tapped_gateway,
 )
 from loadtest.voices import spoken
 
-CONFIG = Path(__file__).parents[1] / "configs" / "offline.yaml"
+CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 QUESTIONS = (
     "what is the weather like today",
     "tell me something nice about the sea",
@@ -463,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-calls", type=int, default=8, help="gateway.max_calls")
     parser.add_argument("--turns", type=int, default=3, help="turns per caller")
     parser.add_argument("--per-process", type=int, default=4, help="callers per process")
+    parser.add_argument("--config", type=Path, default=CONFIG, help="YAML file (%(default)s)")
+    add_set_argument(parser, "reasoning.engine_args.enforce_eager=true,false")
     parser.add_argument("--out", type=Path, default=Path("out/load-report"))
     args = parser.parse_args(argv)
     from gateway.config import load_config
@@ -474,31 +480,44 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python -m loadtest.report " + " ".join(argv or sys.argv[1:]),
         "machine": machine(),
-        "config": "configs/offline.yaml (pocketsphinx, vLLM CPU on the tiny random-weight "
-        "model, espeak-ng)",
+        "config": str(args.config),
         "max_calls": args.max_calls,
     }
     log(f"machine: {results['machine']['summary']}")
     clips = spoken_questions()
     results["caller_speech_s"] = [round(len(c) / 48000, 2) for c in clips]
-    config = load_config(
-        CONFIG,
-        {
-            "gateway.port": 0,
-            "gateway.max_calls": args.max_calls,
-            "max_sessions": max(16, args.max_calls + 4),
-        },
-    )
-    shm_before = shm_bytes()
-    with Supervisor(config) as supervisor:
-        supervisor.start(progress=log)
-        results |= asyncio.run(measure(config, supervisor, clips, args))
-    results["shm_bytes_before_and_after"] = [shm_before, shm_bytes()]
+    variants = [setting_overrides(v) for v in itertools.product(*args.set)]
+    runs = []
+    for settings in variants:
+        config = load_config(
+            args.config,
+            {
+                "gateway.port": 0,
+                "gateway.max_calls": args.max_calls,
+                "max_sessions": max(16, args.max_calls + 4),
+                **settings,
+            },
+        )
+        if settings:
+            log(f"variant: {settings}")
+        run: dict[str, Any] = {"settings": settings, "shm_bytes_before": shm_bytes()}
+        with Supervisor(config) as supervisor:
+            supervisor.start(progress=log)
+            run |= asyncio.run(measure(config, supervisor, clips, args))
+        run["shm_bytes_after"] = shm_bytes()
+        runs.append(run)
+    if len(runs) == 1:
+        results |= runs[0]
+    else:
+        results["variants"] = runs
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    text = table(results)
+    text = "\n\n".join(
+        (f"variant {run['settings']}:\n" if run["settings"] else "") + table({**results, **run})
+        for run in runs
+    )
     (args.out / "table.md").write_text(text + "\n")
     try:
-        plot(results, args.out / "latency.png")
+        plot({**results, **runs[-1]}, args.out / "latency.png")
     except Exception as exc:  # the figures are in the JSON and the table regardless
         log(f"plot failed: {type(exc).__name__}: {exc}")
     print(f"machine: {results['machine']['summary']}")
