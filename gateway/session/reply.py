@@ -102,22 +102,15 @@ class Reply:
 
     def start(self, response_id: str, item: Item, audio: bool, started_ns: int) -> None:
         self.move(ReplyState.STARTED)
-        self.response_id, self.item, self.audio, self.started_ns = (
-            response_id,
-            item,
-            audio,
-            started_ns,
-        )
+        self.response_id = response_id
+        self.item = item
+        self.audio = audio
+        self.started_ns = started_ns
 
     @property
     def in_progress(self) -> bool:
         """Started, and not all of it is in yet."""
         return self.state is ReplyState.STARTED
-
-    @property
-    def complete(self) -> bool:
-        """Both parts are in: its text, and its audio unless it speaks none."""
-        return self.text_done and (self.audio_done or not self.audio)
 
 
 class VoiceAhead:
