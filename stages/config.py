@@ -109,6 +109,13 @@ class EncoderConfig(TorchStageConfig):
         return self
 
 
+class Example(Strict):
+    """One exchange shown to the model before the conversation."""
+
+    user: str = Field(min_length=1)
+    assistant: str = Field(min_length=1)
+
+
 class ReasoningConfig(Strict):
     """The vLLM engine: any chat model vLLM serves; engine_args go to AsyncEngineArgs."""
 
@@ -116,6 +123,9 @@ class ReasoningConfig(Strict):
     system_prompt: str = (
         "You are a friendly voice assistant. Answer in one or two short spoken sentences."
     )
+    # exchanges the model sees after the system prompt and before every conversation: a small
+    # model answers in the form they show (few-shot); they are not part of the history
+    examples: list[Example] = Field(default_factory=list)
     engine_args: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=lambda: {"max_tokens": 64})
     max_history_messages: int = Field(40, ge=2)
@@ -128,6 +138,15 @@ class ReasoningConfig(Strict):
     @classmethod
     def _valid_gpus(cls, gpus: list[int] | None) -> list[int] | None:
         return _check_gpus(gpus)
+
+    @property
+    def example_messages(self) -> list[dict[str, str]]:
+        """The examples as chat messages, a user's and the assistant's answer each."""
+        return [
+            {"role": role, "content": text}
+            for example in self.examples
+            for role, text in (("user", example.user), ("assistant", example.assistant))
+        ]
 
     @property
     def parallel_size(self) -> int:

@@ -13,11 +13,13 @@ from stages.messages import History
 
 @dataclass
 class Conversation:
-    """One session's chat history for the model: a system prompt and the last messages."""
+    """One session's chat history for the model: a system prompt, example exchanges that are
+    not part of the history, and the last messages."""
 
     system_prompt: str
     max_messages: int
     messages: list[dict[str, str]] = field(default_factory=list)
+    examples: list[dict[str, str]] = field(default_factory=list)
 
     def add(self, role: str, text: str) -> dict[str, str] | None:
         """Append a message (none for empty text); returns it, to take it back by identity."""
@@ -42,7 +44,7 @@ class Conversation:
 
     def prompt(self, instructions: str | None = None) -> list[dict[str, str]]:
         system = {"role": "system", "content": instructions or self.system_prompt}
-        return [system, *self.messages]
+        return [system, *self.examples, *self.messages]
 
     def truncate(self, spoken_text: str) -> None:
         """Replace the last assistant message with what the caller heard of it (none: drop

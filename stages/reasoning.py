@@ -368,7 +368,11 @@ class ReasoningStage(Stage):
 
     def _new_conversation(self, instructions: str | None) -> Conversation:
         cfg = self.config.reasoning
-        return Conversation(instructions or cfg.system_prompt, cfg.max_history_messages)
+        return Conversation(
+            instructions or cfg.system_prompt,
+            cfg.max_history_messages,
+            examples=cfg.example_messages,
+        )
 
     def _start(
         self,
