@@ -27,6 +27,7 @@ from gateway.session import RealtimeSession
 from gateway.siblings import Siblings, call_id
 from gateway.speech import Utterance
 from gateway.trace import StageTrace
+from gateway.turn_models import TurnModels
 from gateway.webrtc import WebRTCTransport
 from stages.envelope import Envelope
 from stages.link import PipelineLink, SessionsFull
@@ -78,6 +79,7 @@ class Gateway:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.trace: StageTrace | None = None
         self.watch: LoopWatch | None = None
+        self.turn_models: TurnModels | None = None
 
     # reader thread -> loop
     def _on_stage_event(self, event: Envelope) -> None:
@@ -116,6 +118,8 @@ class Gateway:
                 trace_path = Path(self.config.gateway.trace_dir) / f"{self.instance}.trace"
                 self.trace = StageTrace(trace_path)
                 cleanup.callback(_logged, self.trace.close)
+            self.turn_models = TurnModels(self.config.gateway)
+            cleanup.callback(_logged, self.turn_models.close)
             self.link = PipelineLink(self.names, self._on_stage_event, self.instance)
             cleanup.callback(_logged, self.link.close)
             if self.socket_dir is not None and len(self.names.gateways) > 1:
@@ -164,7 +168,10 @@ class Gateway:
 
     def check_session_config(self, session: Any, param: str = "session") -> SessionConfig:
         """The settings `session` would give a new session; ProtocolError if refused."""
-        return self.session_config().updated(session, param)
+        config = self.session_config().updated(session, param)
+        if self.turn_models is not None:
+            self.turn_models.check(config, param)
+        return config
 
     def open_session(self, prefix: str, grant: Grant, model: str | None) -> RealtimeSession:
         """Admit a new Realtime session; raises SessionsFull, or ProtocolError for settings
@@ -177,7 +184,11 @@ class Gateway:
             config.apply(grant.session)
         if model:
             config.model = model
+        models = self.turn_models
+        assert models is not None
+        models.check(config)
         session = self.link.open_session()
+        gw = self.config.gateway
         call = RealtimeSession(
             call_id(prefix, self.index),
             self.link,
@@ -186,8 +197,11 @@ class Gateway:
             self.metrics,
             config,
             on_closed=self._forget,
-            hold_on_voice=self.config.gateway.barge_in_hold,
-            prepare_reply_ms=self.config.gateway.prepare_reply_ms,
+            hold_on_voice=gw.barge_in_hold,
+            prepare_reply_ms=gw.prepare_reply_ms,
+            turn_models=models,
+            end_of_turn_pause_ms=gw.end_of_turn_pause_ms,
+            interruptions=gw.interruptions,
         )
         self.calls[call.call_id] = call
         self.by_session[session] = call

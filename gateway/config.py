@@ -12,13 +12,69 @@ from stages.config import PipelineConfig, Strict
 
 
 class TurnDetectionConfig(Strict):
-    """Defaults of OpenAI's server_vad knobs for new calls (session.update changes them)."""
+    """Defaults of OpenAI's turn detection for new calls (session.update changes them).
 
+    `server_vad` ends a turn after `silence_duration_ms` of silence. `semantic_vad` asks the
+    end-of-turn model (GatewayConfig.end_of_turn) once the caller has paused: a turn that
+    sounds finished ends then, one that sounds cut off waits up to the eagerness's maximum
+    (low 8 s, medium 4 s, high 2 s; auto is medium), and one it is unsure of ends after
+    `silence_duration_ms`, as server_vad's would."""
+
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
     threshold: float = Field(0.5, ge=0.0, le=1.0)
     prefix_padding_ms: int = Field(300, ge=0, le=2000)
     silence_duration_ms: int = Field(500, ge=20, le=5000)
     create_response: bool = True
     interrupt_response: bool = True
+    eagerness: Literal["low", "medium", "high", "auto"] = "auto"
+    # no audio from the caller this long after the agent's last reply was heard: the turn is
+    # committed empty and answered (input_audio_buffer.timeout_triggered); server_vad only
+    idle_timeout_ms: int | None = Field(None, ge=1000, le=600_000)
+
+
+BACKCHANNELS = [
+    "mm hmm",
+    "uh huh",
+    "yeah",
+    "yep",
+    "yes",
+    "ok",
+    "okay",
+    "right",
+    "sure",
+    "alright",
+    "i see",
+    "got it",
+]
+
+
+class InterruptionConfig(Strict):
+    """What the caller's voice over the agent does (with turn_detection.interrupt_response).
+
+    `immediate`: the agent stops at the first voiced frames, and the reply is cancelled in
+    every stage once the VAD calls it speech (60 ms in). `provisional`: the agent is paused
+    at the same moment, its audio held where it stopped, and the reply goes on being made;
+    once the caller's sound ends, its transcript decides: no words, or only backchannels,
+    and the agent resumes where it paused; words that count, and the reply is cut there and
+    the caller's words answered. Speech that goes on for `confirm_ms` is an interruption
+    without waiting for its words."""
+
+    policy: Literal["immediate", "provisional"] = "immediate"
+    backchannels: list[str] = Field(
+        default_factory=lambda: list(BACKCHANNELS),
+        description="words that do not interrupt on their own (hums such as mm, hmm, uh are "
+        "never words that count)",
+    )
+    min_speech_ms: int = Field(
+        600,
+        ge=0,
+        le=5000,
+        description="voiced time a provisional turn needs to interrupt, whatever its words: "
+        "a recognizer hears words in a hum now and then (LiveKit's default is 500)",
+    )
+    confirm_ms: int = Field(
+        1000, ge=100, le=10_000, description="voiced time over the agent that interrupts"
+    )
 
 
 class AuthConfig(Strict):
@@ -123,6 +179,24 @@ class GatewayConfig(Strict):
         "analysis (gateway.trace; loadtest.gpu_run reads them). Off by default",
     )
     turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
+    voice_activity: Literal["webrtc", "silero"] = Field(
+        "webrtc",
+        description="the VAD's per-frame classifier: webrtcvad, or Silero VAD on ONNX "
+        "(`silero_model`)",
+    )
+    silero_model: str = "bundled:silero-vad"
+    end_of_turn: str = Field(
+        "bundled:smart-turn-v3.2",
+        description="semantic_vad's end-of-turn model: a folder holding model.onnx, or a file",
+    )
+    end_of_turn_pause_ms: int = Field(
+        200,
+        ge=20,
+        le=2000,
+        description="semantic_vad: the caller's silence after which the end-of-turn model is "
+        "asked whether their turn is over",
+    )
+    interruptions: InterruptionConfig = Field(default_factory=InterruptionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
 
 

@@ -8,6 +8,7 @@ so both copies agree again.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,9 @@ class Conversation:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __iter__(self) -> Iterator[Item]:
+        return iter(list(self._items.values()))
 
     def last_id(self) -> str | None:
         return next(reversed(self._items), None)

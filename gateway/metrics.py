@@ -83,7 +83,27 @@ class GatewayMetrics:
             buckets=STALL_BUCKETS,
             registry=r,
         )
+        self.turn_end_silence = Histogram(
+            "omni_turn_end_silence_seconds",
+            "The caller's silence after their last speech when the VAD ended their turn, by "
+            "turn detection (server_vad: its silence window; semantic_vad: shorter when the "
+            "end-of-turn model is sure)",
+            ["type"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.end_of_turn = Histogram(
+            "omni_end_of_turn_seconds",
+            "semantic_vad: one end-of-turn prediction, queued and run off the event loop",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.barge_ins = Counter("omni_barge_ins", "Agent replies cut by the caller", registry=r)
+        self.false_interruptions = Counter(
+            "omni_false_interruptions",
+            "Provisional turns over the agent that did not count (the agent resumed)",
+            registry=r,
+        )
         self.voice_ahead = Counter(
             "omni_voice_ahead_of_reply",
             "Vocoder records (phrases, audio) that reached the gateway before their reply's "

@@ -50,36 +50,53 @@ def _check_keys(value: dict[str, Any], allowed: set[str], param: str) -> None:
             raise ProtocolError(f"unknown field {param}.{key}", param=f"{param}.{key}")
 
 
+SERVER_VAD_FIELDS = (
+    "threshold",
+    "prefix_padding_ms",
+    "silence_duration_ms",
+    "create_response",
+    "interrupt_response",
+    "idle_timeout_ms",
+)
+SEMANTIC_VAD_FIELDS = ("eagerness", "create_response", "interrupt_response")
+
+
 @dataclass
 class TurnDetection:
-    """OpenAI's server_vad knobs; None in SessionConfig means manual turns (commit)."""
+    """OpenAI's server_vad or semantic_vad; None in SessionConfig means manual turns (commit).
+    Fields of the other type keep their values, unused, for a switch back."""
 
+    type: str = "server_vad"
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    eagerness: str = "auto"
+    idle_timeout_ms: int | None = None
+
+    @property
+    def semantic(self) -> bool:
+        return self.type == "semantic_vad"
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": "server_vad", **vars(self), "idle_timeout_ms": None}
+        names = SEMANTIC_VAD_FIELDS if self.semantic else SERVER_VAD_FIELDS
+        return {"type": self.type, **{name: getattr(self, name) for name in names}}
 
     @classmethod
     def parse(cls, value: Any, current: TurnDetection | None, param: str) -> TurnDetection | None:
         if value is None:
             return None
         value = _mapping(value, param)
-        _check_keys(
-            value,
-            {"type", "idle_timeout_ms", *TurnDetectionConfig.model_fields},
-            param,
-        )
         kind = value.get("type", "server_vad")
-        if kind != "server_vad":
-            raise unsupported(f"{param}.type={kind!r}", "only server_vad (webrtcvad) is built")
-        if value.get("idle_timeout_ms") is not None:
-            raise unsupported(f"{param}.idle_timeout_ms", "no idle timeout is built")
-        merged = {**vars(current or cls()), **{k: v for k, v in value.items() if k != "type"}}
-        merged.pop("idle_timeout_ms", None)
+        if kind not in ("server_vad", "semantic_vad"):
+            raise ProtocolError(
+                f"{param}.type must be 'server_vad' or 'semantic_vad', not {kind!r}",
+                param=f"{param}.type",
+            )
+        fields = SEMANTIC_VAD_FIELDS if kind == "semantic_vad" else SERVER_VAD_FIELDS
+        _check_keys(value, {"type", *fields}, param)
+        merged = {**vars(current or cls()), **value, "type": kind}
         try:
             checked = TurnDetectionConfig.model_validate(merged)
         except ValidationError as exc:

@@ -1,15 +1,16 @@
-"""Server-side turn detection: webrtcvad on 20 ms frames with OpenAI's `server_vad` knobs.
+"""Server-side turn detection: a voice classifier on 20 ms frames with OpenAI's `server_vad`
+knobs. The classifier is webrtcvad (`WebrtcVoice`) or Silero (`SileroGate`, gateway.silero).
 
 The session feeds every 20 ms frame of the caller's 16 kHz PCM16 and gets `SpeechStarted` /
 `SpeechStopped` back, stamped in ms of audio fed since the session began (the clock OpenAI's
 `input_audio_buffer.speech_started/stopped` events use). A start carries the audio from
 `prefix_padding_ms` before the speech up to now, so the encoder hears the whole first syllable.
 
-Knobs and their mapping onto webrtcvad:
+Knobs:
 - `threshold` (0..1, OpenAI default 0.5): higher means louder/clearer speech is needed, like
-  OpenAI's. webrtcvad has four aggressiveness modes, so the range is cut in quarters:
-  [0, 0.25) → 0, [0.25, 0.5) → 1, [0.5, 0.75) → 2, [0.75, 1] → 3. The default lands on mode 2,
-  the most accurate on speech at 16 kHz (frame accuracy 0.96).
+  OpenAI's. Silero's is its probability's. webrtcvad has four aggressiveness modes, so the range
+  is cut in quarters: [0, 0.25) → 0, [0.25, 0.5) → 1, [0.5, 0.75) → 2, [0.75, 1] → 3. The
+  default lands on mode 2, the most accurate on speech at 16 kHz (frame accuracy 0.96).
 - `prefix_padding_ms` (default 300): audio before the detected start that goes with the start.
 - `silence_duration_ms` (default 500): unvoiced time after the last speech that ends the turn.
 - `onset_ms` (default 60): voiced time in a row that it takes to start a turn (or, inside a turn,
@@ -26,20 +27,26 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import webrtcvad
+
+from gateway.silero import SileroModel, SileroVoice
 
 __all__ = [
     "FRAME_MS",
     "FRAME_SAMPLES",
     "SAMPLE_RATE",
+    "SileroGate",
     "SpeechPaused",
     "SpeechResumed",
     "SpeechStarted",
     "SpeechStopped",
     "TurnDetector",
     "VadEvent",
+    "Voice",
+    "WebrtcVoice",
     "aggressiveness_for",
 ]
 
@@ -105,8 +112,47 @@ def aggressiveness_for(threshold: float) -> int:
     return min(3, int(threshold * 4))
 
 
+class Voice(Protocol):
+    """A per-frame speech classifier: one caller's, it may keep state from frame to frame."""
+
+    def set_threshold(self, threshold: float) -> None: ...
+
+    def is_speech(self, frame: np.ndarray) -> bool: ...
+
+
+class WebrtcVoice:
+    """webrtcvad's decision, its aggressiveness mode from the threshold by quarters."""
+
+    def __init__(self, threshold: float = 0.5) -> None:
+        self._vad = webrtcvad.Vad()
+        self.set_threshold(threshold)
+
+    def set_threshold(self, threshold: float) -> None:
+        self._vad.set_mode(aggressiveness_for(threshold))
+
+    def is_speech(self, frame: np.ndarray) -> bool:
+        return bool(self._vad.is_speech(frame.tobytes(), SAMPLE_RATE))
+
+
+class SileroGate:
+    """Silero's probability against the threshold."""
+
+    def __init__(self, model: SileroModel, threshold: float = 0.5) -> None:
+        self._voice = SileroVoice(model)
+        self.set_threshold(threshold)
+
+    def set_threshold(self, threshold: float) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be within [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def is_speech(self, frame: np.ndarray) -> bool:
+        return self._voice.probability(frame) >= self.threshold
+
+
 class TurnDetector:
-    """One caller's turns from webrtcvad's per-frame decisions, with onset/offset hysteresis."""
+    """One caller's turns from a classifier's per-frame decisions (webrtcvad unless `voice`
+    says otherwise), with onset/offset hysteresis."""
 
     def __init__(
         self,
@@ -117,10 +163,11 @@ class TurnDetector:
         min_level_dbfs: float = -60.0,
         noise_margin_db: float = 10.0,
         pause_ms: int = 0,
+        voice: Voice | None = None,
     ) -> None:
         """`pause_ms`: silence inside a turn after which SpeechPaused is reported (0: never;
         only a value under `silence_duration_ms` ever fires)."""
-        self._vad = webrtcvad.Vad()
+        self._voice = voice or WebrtcVoice(threshold)
         self._frames_fed = 0
         self._noise_floor_dbfs: float | None = None
         self._ring: collections.deque[np.ndarray] = collections.deque()
@@ -147,7 +194,7 @@ class TurnDetector:
         """Change knobs mid-session (`session.update`); None keeps a knob. Durations are rounded
         up to whole 20 ms frames."""
         if threshold is not None:
-            self._vad.set_mode(aggressiveness_for(threshold))
+            self._voice.set_threshold(threshold)
             self.threshold = threshold
         for name, value in (
             ("prefix_padding_ms", prefix_padding_ms),
@@ -172,11 +219,37 @@ class TurnDetector:
         self._in_speech = False
         self._paused = False
         self._speech_end_ms = 0
+        self._pause_limit_ms: int | None = None
 
     @property
     def in_speech(self) -> bool:
         """True between a SpeechStarted and its SpeechStopped."""
         return self._in_speech
+
+    @property
+    def speech_end_ms(self) -> int:
+        """The end of the caller's last speech: it names the pause that follows."""
+        return self._speech_end_ms
+
+    @property
+    def silence_ms(self) -> int:
+        """Inside a turn, how long the caller has been quiet (0 while they speak)."""
+        return self.audio_ms - self._speech_end_ms if self._in_speech else 0
+
+    def limit_pause(self, silence_ms: int) -> None:
+        """End the turn once this pause has lasted `silence_ms`, instead of
+        `silence_duration_ms` (the end-of-turn model's say); speech again undoes it."""
+        self._pause_limit_ms = silence_ms
+
+    def end_turn(self) -> SpeechStopped | None:
+        """End the turn in progress now (None if there is none)."""
+        if not self._in_speech:
+            return None
+        self._in_speech = False
+        self._paused = False
+        self._voiced_run = 0
+        self._pause_limit_ms = None
+        return SpeechStopped(self.audio_ms, self._speech_end_ms)
 
     @property
     def audio_ms(self) -> int:
@@ -214,7 +287,7 @@ class TurnDetector:
         frame = np.array(frame, dtype=np.int16, copy=True).reshape(-1)
         # Both see every frame: each keeps its own model of the background current.
         loud = self._loud_enough(frame)
-        voiced = self._vad.is_speech(frame.tobytes(), SAMPLE_RATE) and loud
+        voiced = self._voice.is_speech(frame) and loud
         self._frames_fed += 1
         voiced = voiced and self._frames_fed > WARMUP_FRAMES
         frame_end_ms = self._frames_fed * FRAME_MS
@@ -234,14 +307,16 @@ class TurnDetector:
 
         if self._voiced_run >= self._onset_frames:
             self._speech_end_ms = frame_end_ms
+            self._pause_limit_ms = None
             if self._paused:
                 self._paused = False
                 return [SpeechResumed(frame_end_ms)]
-        elif frame_end_ms - self._speech_end_ms >= self.silence_duration_ms:
-            self._in_speech = False
-            self._paused = False
-            self._voiced_run = 0
-            return [SpeechStopped(frame_end_ms, self._speech_end_ms)]
+        elif frame_end_ms - self._speech_end_ms >= (
+            self.silence_duration_ms if self._pause_limit_ms is None else self._pause_limit_ms
+        ):
+            stopped = self.end_turn()
+            assert stopped is not None
+            return [stopped]
         elif (
             self.pause_ms
             and not self._paused

@@ -234,4 +234,5 @@ class EncoderStage(QueuedStage):
             decode_ns=decode_ns,
         )
         self.send(GATEWAY, session, final, epoch=env.epoch)
-        self.send("reasoning", session, final, epoch=env.epoch)
+        if not msg.provisional:  # the gateway decides what a provisional turn was
+            self.send("reasoning", session, final, epoch=env.epoch)

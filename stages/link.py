@@ -119,11 +119,18 @@ class PipelineLink:
         self._send("encoder", session, SpeechStarted(turn_id, audio_start_ms))
 
     def speech_stopped(
-        self, session: int, turn_id: int, audio_end_ms: int = 0, create_response: bool = True
+        self,
+        session: int,
+        turn_id: int,
+        audio_end_ms: int = 0,
+        create_response: bool = True,
+        provisional: bool = False,
     ) -> int:
-        """End the caller's turn; returns the CLOCK_MONOTONIC time it was sent."""
+        """End the caller's turn; returns the CLOCK_MONOTONIC time it was sent. A
+        `provisional` turn's transcript comes to the gateway alone."""
         t = time.monotonic_ns()
-        self._send("encoder", session, SpeechStopped(turn_id, audio_end_ms, create_response))
+        stopped = SpeechStopped(turn_id, audio_end_ms, create_response, provisional)
+        self._send("encoder", session, stopped)
         return t
 
     def turn_paused(self, session: int, turn_id: int, create_response: bool = True) -> None:

@@ -59,6 +59,9 @@ class SpeechStopped(Msg):
     turn_id: int
     audio_end_ms: int = 0
     create_response: bool = True
+    # the caller spoke over the agent, and the gateway decides from the transcript whether
+    # that was an interruption (gateway.session.interruption): reasoning is not sent it
+    provisional: bool = False
 
 
 class TurnPaused(Msg):

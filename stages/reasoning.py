@@ -242,6 +242,10 @@ class ReasoningStage(Stage):
                     self._drop_unheard(session, state, response, f"stop-{session}")
                 else:
                     ended = response
+                    if stop.cancel is not None and stop.cancel.spoken_text is not None:
+                        # recorded now, so a message that follows the cancel in the ring
+                        # (the caller's words that interrupted it) comes after it
+                        response.record(state.conversation, stop.cancel.spoken_text)
         if stop.cancel is not None:
             # by the time the task runs, a new turn may have started another reply (or the
             # session been closed and reopened), which it must not touch

@@ -18,11 +18,12 @@ import binascii
 import collections
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gateway import events as ev
+from gateway.config import InterruptionConfig
 from gateway.conversation import Conversation
 from gateway.metrics import GatewayMetrics
 from gateway.opus import PacketCodec
@@ -36,6 +37,7 @@ from gateway.protocol import (
 )
 from gateway.resample import CALLER_RATE, Upsampler
 from gateway.session import client_events, stop
+from gateway.session.interruption import Overlap, words_that_count
 from gateway.session.outbox import Outbox, Transport
 from gateway.session.replies import Replies
 from gateway.session.reply import Reply
@@ -55,6 +57,9 @@ from stages.messages import (
     Transcript,
 )
 from stages.tasks import Tasks
+
+if TYPE_CHECKING:
+    from gateway.turn_models import TurnModels
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +88,16 @@ class RealtimeSession:
         on_closed: Callable[[RealtimeSession], None],
         hold_on_voice: bool = True,
         prepare_reply_ms: int = 0,
+        turn_models: TurnModels | None = None,
+        end_of_turn_pause_ms: int = 200,
+        interruptions: InterruptionConfig | None = None,
     ) -> None:
         """`hold_on_voice`: silence the agent from the caller's first voiced frame until the
         VAD decides whether they are talking over it (GatewayConfig.barge_in_hold).
         `prepare_reply_ms`: silence inside a turn after which the stages start on the reply,
-        held until the turn ends (GatewayConfig.prepare_reply_ms; 0: off)."""
+        held until the turn ends (GatewayConfig.prepare_reply_ms; 0: off). `turn_models`:
+        the process's VAD classifier and end-of-turn model (webrtcvad and no semantic_vad
+        without). `interruptions`: what the caller's voice over the agent does."""
         self.call_id = call_id
         self.link = link
         self.session = session
@@ -99,15 +109,33 @@ class RealtimeSession:
         self.log = CallLog(logger, {"call": call_id, "session": session})
         self.outbox = Outbox(call_id)
         self.items = Conversation()
+        self.tasks = Tasks()
+        self.interruptions = interruptions or InterruptionConfig()
+        self.overlap: Overlap | None = None  # the reply paused under a provisional turn
+        td = config.turn_detection
         self.turns = CallerTurns(
-            link, session, config, self.outbox, self.items, self, metrics, prepare_reply_ms
+            link,
+            session,
+            config,
+            self.outbox,
+            self.items,
+            self,
+            metrics,
+            prepare_reply_ms,
+            voice=turn_models.voice(td.threshold if td else 0.5) if turn_models else None,
+            end_of_turn=turn_models.end_of_turn if turn_models else None,
+            end_of_turn_pause_ms=end_of_turn_pause_ms,
+            spawn=self.spawn,
+            confirm_ms=self.interruptions.confirm_ms,
         )
+        self.turn_models = turn_models
+        self._idle: asyncio.TimerHandle | None = None  # idle_timeout_ms, armed
+        self._idle_from_ms = 0  # the caller's audio clock when it was armed
         self.replies = Replies(
             self.outbox, self.items, metrics, vocoder_rate, self.turns.take_speech_stopped_ns
         )
         self.cancels = Cancels(link, session, self.outbox, metrics)
         self.deferred_create: tuple[ResponseParams, str | None] | None = None
-        self.tasks = Tasks()
         self.closed = asyncio.Event()
         self.close_reason: str | None = None  # why it ended, once it has
         self.frame_arrivals: collections.deque[float] = collections.deque(maxlen=3000)
@@ -212,15 +240,36 @@ class RealtimeSession:
         td = self.config.turn_detection
         return td is not None and td.interrupt_response
 
-    def speech_onset(self) -> None:
-        if self._interrupts():
-            stop.barge_in(self.replies, self.cancels, bool(self.turns.transcribing), self.log)
+    def speech_onset(self) -> bool:
+        self.disarm_idle()
+        if not self._interrupts():
+            return False
+        reply, transport = self.replies.current, self.transport
+        # a WebSocket client plays what it was sent: only a transport that holds the agent's
+        # audio itself can pause it and play on
+        if (
+            self.interruptions.policy == "provisional"
+            and reply is not None
+            and reply.audio
+            and transport is not None
+            and transport.kind == "webrtc"
+        ):
+            if self.overlap is None:
+                self.overlap = Overlap(reply)
+                self.log.info("reply %s paused: the caller speaks over it", reply.response_id)
+            transport.hold(True)
+            return True
+        stop.barge_in(self.replies, self.cancels, bool(self.turns.transcribing), self.log)
+        return False
 
     def turn_ended(self, create_response: bool) -> None:
         if create_response:
             self.replies.ask_for_turn()
 
     def transcribed(self, turn_id: int, text: str) -> None:
+        if turn_id in self.turns.provisional:
+            self._settle(turn_id, text)
+            return
         if not text and turn_id == self.turns.turn_id:
             self.replies.forget_asked()  # nothing was said: reasoning answers nothing
         if self.deferred_create is not None and not self.turns.transcribing:
@@ -228,17 +277,99 @@ class RealtimeSession:
             self.deferred_create = None
             self.create_response(params, event_id)
 
+    def spoke_on(self, turn_id: int) -> None:
+        """The provisional turn went on long enough to be an interruption: the reply is cut
+        (the cancel purges the turn too) and the turn begun again, as any turn."""
+        self._interrupted()
+        self.turns.begin_again()
+
     def maybe_speaking(self, unsure: bool) -> None:
         """A barge-in is decided some frames after the caller's first voiced one: the agent
-        goes quiet from that frame on, and plays on, nothing lost, if it was not one."""
+        goes quiet from that frame on, and plays on, nothing lost, if it was not one (under
+        the provisional policy, until the turn is known not to be one)."""
         if self.transport is not None:
             held = unsure and self.hold_on_voice and self._interrupts()
+            held = held or self.overlap is not None
             self.transport.hold(held and self.replies.current is not None)
+
+    # -- provisional turns over the agent (gateway.session.interruption) ------------------
+
+    def _settle(self, turn_id: int, text: str) -> None:
+        voiced_ms = self.turns.voiced_ms_of.get(turn_id, 0)
+        words = words_that_count(text, self.interruptions.backchannels)
+        counts = bool(words) and voiced_ms >= self.interruptions.min_speech_ms
+        self.log.info(
+            "over the agent: %r, %d ms voiced: %s",
+            text,
+            voiced_ms,
+            "an interruption" if counts else "none",
+        )
+        item_id = self.turns.settle(turn_id, text, counts)
+        overlap = self.overlap
+        if counts:
+            self._interrupted()
+            td = self.config.turn_detection
+            if td is not None and td.create_response:
+                self._answer(text)
+            else:
+                self.sync_history()
+            return
+        self.metrics.false_interruptions.inc()
+        if overlap is None or self.turns.provisional or self.turns.vad.in_speech:
+            return  # another sound over the agent is still to be settled
+        self.overlap = None
+        reply = self.replies.current
+        if reply is overlap.reply and self.transport is not None:
+            self.transport.hold(False)
+            self.outbox.interruption_resumed(reply.response_id or "", item_id or "", text)
+            self.log.info("reply %s plays on (%r was no interruption)", reply.response_id, text)
+
+    def _interrupted(self) -> None:
+        """The caller's sound over the agent was an interruption: the reply paused for it is
+        cut where it paused, as a barge-in."""
+        overlap, self.overlap = self.overlap, None
+        if overlap is not None and self.replies.current is overlap.reply:
+            stop.cut(self.replies, self.cancels, "barge_in", self.log)
+
+    def _answer(self, text: str) -> None:
+        """Answer the words that interrupted the agent (reasoning was not sent them)."""
+        response_id = ev.new_id("resp")
+        self.replies.ask(response_id, None)
+        self.link.create_response(self.session, response_id, text=text)
+
+    # -- idle_timeout_ms ---------------------------------------------------------------------
+
+    def arm_idle(self, after_s: float = 0.0) -> None:
+        """The agent's reply has been heard (or will have been in `after_s`): the caller has
+        idle_timeout_ms to say something."""
+        td = self.config.turn_detection
+        self.disarm_idle()
+        if td is None or td.semantic or not td.idle_timeout_ms or self.closed.is_set():
+            return
+        self._idle_from_ms = self.turns.vad.audio_ms + int(after_s * 1000)
+        loop = asyncio.get_running_loop()
+        self._idle = loop.call_later(after_s + td.idle_timeout_ms / 1000, self._idle_timeout)
+
+    def disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _idle_timeout(self) -> None:
+        self._idle = None
+        busy = self.replies.current or self.replies.turn_asked or self.replies.created
+        if self.closed.is_set() or self.turns.vad.in_speech or busy:
+            return
+        item_id = ev.new_id("item")
+        self.outbox.timeout_triggered(self._idle_from_ms, self.turns.vad.audio_ms, item_id)
+        self.turns.commit_item(item_id, "")
+        self.create_response(ResponseParams(), None)
 
     # -- replies -------------------------------------------------------------------------------
 
     def create_response(self, params: ResponseParams, event_id: str | None) -> None:
         """Ask the stages for a reply (response.create, once the last turn's text is in)."""
+        self.disarm_idle()
         # a reply still playing stops first, so that its cancel precedes the new reply
         stop.cut(self.replies, self.cancels, "superseded", self.log)
         response_id = ev.new_id("resp")
@@ -252,7 +383,12 @@ class RealtimeSession:
         )
 
     def playback_done(self, response_id: str) -> None:
-        """The transport played a finished reply to its end."""
+        """The transport played a finished reply to its end (a WebSocket client: was sent
+        it all, and plays the rest itself)."""
+        reply, transport = self.replies.current_for(response_id), self.transport
+        if reply is not None and transport is not None:
+            unheard = max(0, reply.samples - transport.heard_samples(reply))
+            self.arm_idle(unheard / self.vocoder_rate)
         self.replies.played(response_id)
 
     # -- stage records -----------------------------------------------------------------------
@@ -329,6 +465,7 @@ class RealtimeSession:
         self.outbox.closed = True
         self.close_reason = reason
         self.log.info("session closed: %s", reason)
+        self.disarm_idle()
         self.replies.current = None
         transport = self.transport
         if transport is not None:

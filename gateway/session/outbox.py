@@ -126,6 +126,30 @@ class Outbox:
             ev.event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
         )
 
+    def timeout_triggered(self, audio_start_ms: int, audio_end_ms: int, item_id: str) -> None:
+        """input_audio_buffer.timeout_triggered: the caller said nothing for idle_timeout_ms
+        after the agent's last reply was heard."""
+        self.send(
+            ev.event(
+                "input_audio_buffer.timeout_triggered",
+                audio_start_ms=audio_start_ms,
+                audio_end_ms=audio_end_ms,
+                item_id=item_id,
+            )
+        )
+
+    def interruption_resumed(self, response_id: str, item_id: str, transcript: str) -> None:
+        """omni.interruption.resumed: the caller's sound over the agent was no interruption
+        (no words, or only backchannels); the agent plays on from where it paused."""
+        self.send(
+            ev.event(
+                "omni.interruption.resumed",
+                response_id=response_id,
+                item_id=item_id,
+                transcript=transcript,
+            )
+        )
+
     def buffer_cleared(self) -> None:
         self.send(ev.event("input_audio_buffer.cleared"))
 

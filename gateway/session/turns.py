@@ -8,37 +8,71 @@ a `TurnListener`.
 
 from __future__ import annotations
 
-from typing import Protocol
+import collections
+from collections.abc import Callable, Coroutine
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from gateway import events as ev
 from gateway.chunker import Chunker
 from gateway.conversation import Conversation, Item
+from gateway.end_of_turn import WINDOW_SAMPLES, EndOfTurn
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import ProtocolError, SessionConfig
+from gateway.protocol import ProtocolError, SessionConfig, TurnDetection
 from gateway.resample import CALLER_RATE
 from gateway.session.outbox import Outbox
-from gateway.vad import SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped, TurnDetector
+from gateway.vad import (
+    FRAME_MS,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+    SpeechStopped,
+    TurnDetector,
+    Voice,
+)
 from stages.link import PipelineLink
 
 FRAME_SAMPLES_16K = 320  # 20 ms at 16 kHz
 MANUAL_BUFFER_S = 120  # audio held for a manual commit, at most
 CHUNK_SAMPLES = 3200  # 200 ms at 16 kHz, what a commit sends at a time
+TURN_AUDIO_FRAMES = 30 * 1000 // FRAME_MS  # a turn's audio kept: the end-of-turn model reads
+# the last 8 s, a provisional turn is replayed from its start once it interrupts
+
+
+class Eagerness:
+    """semantic_vad: the end-of-turn probability from which a pause ends the turn at once
+    (`complete`), below which the turn sounds cut off and may wait `max_wait_ms` of silence,
+    and between the two, the silence window. The maximum waits are OpenAI's."""
+
+    LEVELS: ClassVar[dict[str, tuple[float, float, int]]] = {
+        "low": (0.9, 0.3, 8000),
+        "medium": (0.7, 0.2, 4000),
+        "high": (0.5, 0.1, 2000),
+    }
+
+    def __init__(self, eagerness: str) -> None:
+        level = "medium" if eagerness == "auto" else eagerness
+        self.complete, self.unsure, self.max_wait_ms = self.LEVELS[level]
 
 
 class TurnListener(Protocol):
     """What the session does about the caller's turns."""
 
-    def speech_onset(self) -> None:
+    def speech_onset(self) -> bool:
         """The VAD heard the caller start, before their turn begins (so that a barge-in's
-        cancel goes first: it would purge the new turn's speech)."""
+        cancel goes first: it would purge the new turn's speech). True: the turn is
+        provisional (gateway.session.interruption)."""
 
     def turn_ended(self, create_response: bool) -> None:
         """The caller's turn ended; the stages answer it when `create_response`."""
 
     def transcribed(self, turn_id: int, text: str) -> None:
-        """A turn's final transcript came (empty: nothing was said)."""
+        """A turn's final transcript came (empty: nothing was said); a provisional turn's
+        before anything of it is committed."""
+
+    def spoke_on(self, turn_id: int) -> None:
+        """The provisional turn `turn_id` has gone on for the confirming time."""
 
     def maybe_speaking(self, unsure: bool) -> None:
         """After each frame: whether the caller has started a voiced run that the VAD has
@@ -47,7 +81,10 @@ class TurnListener(Protocol):
 
 class CallerTurns:
     """One session's caller audio and turns. `pause_ms`: silence inside a turn after which the
-    stages start on the reply (gateway.prepare_reply_ms; 0: off)."""
+    stages start on the reply (gateway.prepare_reply_ms; 0: off). `end_of_turn`: the model
+    semantic_vad asks, after `end_of_turn_pause_ms` of silence; `spawn` runs its question
+    as one of the session's tasks. `confirm_ms`: voiced time that makes a provisional turn
+    an interruption."""
 
     def __init__(
         self,
@@ -59,27 +96,53 @@ class CallerTurns:
         listener: TurnListener,
         metrics: GatewayMetrics,
         pause_ms: int = 0,
+        *,
+        voice: Voice | None = None,
+        end_of_turn: EndOfTurn | None = None,
+        end_of_turn_pause_ms: int = 200,
+        spawn: Callable[[Coroutine[Any, Any, None], str], Any] | None = None,
+        confirm_ms: int = 1000,
     ) -> None:
         self.link, self.session, self.config = link, session, config
         self.outbox, self.items, self.listener, self.metrics = outbox, items, listener, metrics
-        td = config.turn_detection
-        self.vad = (
-            TurnDetector(
-                td.threshold, td.prefix_padding_ms, td.silence_duration_ms, pause_ms=pause_ms
-            )
-            if td
-            else TurnDetector(pause_ms=pause_ms)
+        self.end_of_turn, self.end_of_turn_pause_ms = end_of_turn, end_of_turn_pause_ms
+        self.spawn, self.confirm_ms = spawn, confirm_ms
+        td = config.turn_detection or TurnDetection()
+        self.vad = TurnDetector(
+            td.threshold,
+            td.prefix_padding_ms,
+            self._silence_limit_ms(td),
+            pause_ms=pause_ms,
+            voice=voice,
         )
         self.chunker = Chunker()
         self.turn_id = 0
         self.turn_items: dict[int, str] = {}  # turn id -> its user item
         self.transcribing: set[int] = set()  # turns ended whose final transcript is to come
+        self.provisional: set[int] = set()  # turns begun over the agent, not yet settled
+        self.voiced_ms_of: dict[int, int] = {}  # a provisional turn's voiced time, once ended
         self._partials: dict[int, str] = {}  # turn id -> the partial transcript sent so far
         self.speech_stopped_ns = 0  # when the last turn's end went to the stages (0: taken)
         self.frames = 0
         self.manual_audio: list[np.ndarray] = []
         self.manual_samples = 0
         self._partial_frame = np.zeros(0, np.int16)
+        self.turn_audio: collections.deque[np.ndarray] = collections.deque(maxlen=TURN_AUDIO_FRAMES)
+        self.turn_audio_start_ms = 0
+        self._voiced_ms = 0  # voiced time in the turn in progress
+        self._asked_at = -1  # the pause (its speech end) the end-of-turn model was asked about
+        self.end_of_turn_asked = 0  # questions put to the model, for the tests and metrics
+
+    def _silence_limit_ms(self, td: TurnDetection) -> int:
+        """semantic_vad waits up to the eagerness's maximum; the model ends turns sooner."""
+        if td.semantic and self.end_of_turn is not None:
+            return Eagerness(td.eagerness).max_wait_ms
+        return td.silence_duration_ms
+
+    @property
+    def semantic(self) -> bool:
+        td = self.config.turn_detection
+        return td is not None and td.semantic and self.end_of_turn is not None
 
     @property
     def create_response(self) -> bool:
@@ -111,6 +174,8 @@ class CallerTurns:
                 self.end(vad_event.audio_end_ms, self.create_response)
                 return
             elif isinstance(vad_event, SpeechPaused):
+                if self.turn_id in self.provisional:
+                    continue  # nothing is prepared for a turn that may not count
                 # the encoder transcribes what it has: everything the caller said, up to now
                 if (rest := self.chunker.flush()) is not None:
                     self.link.send_audio(self.session, rest)
@@ -118,45 +183,121 @@ class CallerTurns:
             elif isinstance(vad_event, SpeechResumed):
                 self.link.turn_resumed(self.session, self.turn_id)
         self.listener.maybe_speaking(not self.vad.in_speech and self.vad.voiced_run > 0)
-        if self.vad.in_speech:
-            for chunk in self.chunker.push(frame):
-                self.link.send_audio(self.session, chunk)
+        if not self.vad.in_speech:
+            return
+        self.turn_audio.append(frame)
+        for chunk in self.chunker.push(frame):
+            self.link.send_audio(self.session, chunk)
+        if self.vad.voiced_run:
+            self._voiced_ms += FRAME_MS
+            if self.turn_id in self.provisional and self._voiced_ms >= self.confirm_ms:
+                self.listener.spoke_on(self.turn_id)
+        if self.semantic and self.vad.silence_ms >= self.end_of_turn_pause_ms:
+            self._ask_end_of_turn()
+
+    # -- semantic_vad --------------------------------------------------------------------------
+
+    def _ask_end_of_turn(self) -> None:
+        """Once a pause: does the turn so far sound finished? Answered off the loop."""
+        pause = self.vad.speech_end_ms
+        if pause == self._asked_at or self.spawn is None:
+            return
+        self._asked_at = pause
+        self.end_of_turn_asked += 1
+        audio = np.concatenate(list(self.turn_audio)[-(WINDOW_SAMPLES // FRAME_SAMPLES_16K) :])
+        self.spawn(self._end_of_turn(self.turn_id, pause, audio), f"end-of-turn-{self.turn_id}")
+
+    async def _end_of_turn(self, turn_id: int, pause: int, audio: np.ndarray) -> None:
+        assert self.end_of_turn is not None
+        p = await self.end_of_turn.probability(audio)
+        self.metrics.end_of_turn.observe(self.end_of_turn.last_ms / 1000)
+        td = self.config.turn_detection
+        still = turn_id == self.turn_id and self.vad.in_speech and self.vad.speech_end_ms == pause
+        if td is None or not td.semantic or not still:
+            return  # the caller spoke again, or the turn ended meanwhile
+        eagerness = Eagerness(td.eagerness)
+        if p >= eagerness.complete:
+            stopped = self.vad.end_turn()
+            assert stopped is not None
+            self.end(stopped.audio_end_ms, self.create_response)
+        elif p >= eagerness.unsure:
+            self.vad.limit_pause(td.silence_duration_ms)
+        # else: it sounds cut off, and waits for the caller up to the eagerness's maximum
 
     # -- turns ---------------------------------------------------------------------------------
 
     def speech_started(self, started: SpeechStarted) -> None:
         self.metrics.vad_events.labels("speech_started").inc()
-        self.listener.speech_onset()
+        provisional = self.listener.speech_onset()
         self.begin(started.audio_start_ms)
+        if provisional:
+            self.provisional.add(self.turn_id)
+        self.turn_audio.append(started.prefix)
         for chunk in self.chunker.push(started.prefix):
             self.link.send_audio(self.session, chunk)
         self.outbox.speech_started(started.audio_start_ms, self.turn_items[self.turn_id])
 
-    def begin(self, audio_start_ms: int) -> None:
+    def begin(self, audio_start_ms: int, item_id: str | None = None) -> None:
         """A new turn: the stages are told, and its user item named."""
         self.turn_id += 1
-        self.turn_items[self.turn_id] = ev.new_id("item")
+        self.turn_items[self.turn_id] = item_id or ev.new_id("item")
         self.link.speech_started(self.session, self.turn_id, audio_start_ms)
         self.chunker.reset()
+        self.turn_audio.clear()
+        self.turn_audio_start_ms = audio_start_ms
+        self._voiced_ms = 0
+
+    def begin_again(self) -> None:
+        """The provisional turn in progress interrupts after all, and a cancel has purged it
+        in the stages: begun again as an ordinary turn with the same item, its audio so far
+        replayed to the encoder."""
+        provisional = self.turn_id
+        self.provisional.discard(provisional)
+        audio, voiced = list(self.turn_audio), self._voiced_ms
+        self.begin(self.turn_audio_start_ms, self.turn_items.pop(provisional))
+        self._voiced_ms = voiced
+        for frame in audio:
+            self.turn_audio.append(frame)
+            for chunk in self.chunker.push(frame):
+                self.link.send_audio(self.session, chunk)
 
     def end(self, audio_end_ms: int, create_response: bool) -> None:
-        """The turn ends: its last audio and its end go to the stages, its item is committed."""
+        """The turn ends: its last audio and its end go to the stages, its item is committed
+        (a provisional turn's once its transcript says it counts)."""
         self.metrics.vad_events.labels("speech_stopped").inc()
         rest = self.chunker.flush()
         if rest is not None:
             self.link.send_audio(self.session, rest)
+        provisional = self.turn_id in self.provisional
+        if provisional:
+            self.voiced_ms_of[self.turn_id] = self._voiced_ms
         self.speech_stopped_ns = self.link.speech_stopped(
-            self.session, self.turn_id, audio_end_ms, create_response
+            self.session,
+            self.turn_id,
+            audio_end_ms,
+            create_response and not provisional,
+            provisional=provisional,
         )
-        self.listener.turn_ended(create_response)
+        if not provisional:
+            self.listener.turn_ended(create_response)
         item_id = self.turn_items[self.turn_id]
-        if self.config.turn_detection is not None:
+        if (td := self.config.turn_detection) is not None:
             self.outbox.speech_stopped(audio_end_ms, item_id)
+            silence_s = max(0, audio_end_ms - self.vad.speech_end_ms) / 1000
+            self.metrics.turn_end_silence.labels(td.type).observe(silence_s)
         self.transcribing.add(self.turn_id)
-        item = Item(item_id, "user", [{"type": "input_audio", "transcript": None}], "completed")
+        if not provisional:
+            self.commit_item(item_id)
+
+    def commit_item(self, item_id: str, transcript: str | None = None) -> Item:
+        """A user audio item into the conversation, announced as committed."""
+        item = Item(
+            item_id, "user", [{"type": "input_audio", "transcript": transcript}], "completed"
+        )
         previous = self.items.add(item)
         self.outbox.committed(item_id, previous)
         self.outbox.item_added(item, previous)
+        return item
 
     def take_speech_stopped_ns(self) -> int:
         """When the last turn's end went to the stages, once (0 after): for its first audio."""
@@ -203,7 +344,7 @@ class CallerTurns:
             self.vad.update(
                 threshold=td.threshold,
                 prefix_padding_ms=td.prefix_padding_ms,
-                silence_duration_ms=td.silence_duration_ms,
+                silence_duration_ms=self._silence_limit_ms(td),
             )
         if had_vad != (td is not None):
             self.vad.reset()
@@ -214,6 +355,11 @@ class CallerTurns:
     def transcript(self, turn_id: int, text: str, final: bool) -> None:
         item_id = self.turn_items.get(turn_id)
         if item_id is None:
+            return
+        if turn_id in self.provisional:
+            if final:  # the session settles it (`settle`)
+                self.transcribing.discard(turn_id)
+                self.listener.transcribed(turn_id, text)
             return
         if not final:
             # The encoder sends its whole current guess; Realtime deltas are additions. Send
@@ -235,3 +381,15 @@ class CallerTurns:
     def _transcription(self, name: str, item_id: str, **fields: str) -> None:
         if self.config.transcription is not None:
             self.outbox.transcription(name, item_id, **fields)
+
+    def settle(self, turn_id: int, text: str, counts: bool) -> str | None:
+        """A provisional turn's transcript is in: committed with it if it counts, else
+        forgotten (nothing of it was committed). Its item's id."""
+        self.provisional.discard(turn_id)
+        self.voiced_ms_of.pop(turn_id, None)
+        item_id = self.turn_items.pop(turn_id, None)
+        if item_id is not None and counts:
+            item = self.commit_item(item_id, text)
+            self._transcription("completed", item_id, transcript=text)
+            self.outbox.item_done(item)
+        return item_id

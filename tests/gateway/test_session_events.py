@@ -31,7 +31,12 @@ class RecordingLink:
         self._note("speech_started", session, turn_id, audio_start_ms)
 
     def speech_stopped(
-        self, session: int, turn_id: int, audio_end_ms: int = 0, create_response: bool = True
+        self,
+        session: int,
+        turn_id: int,
+        audio_end_ms: int = 0,
+        create_response: bool = True,
+        provisional: bool = False,
     ) -> int:
         self._note("speech_stopped", session, turn_id, audio_end_ms, create_response)
         return 0

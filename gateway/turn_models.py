@@ -1,0 +1,57 @@
+"""The models a gateway process's calls share for their turns: Silero VAD when it is the
+configured classifier, and the end-of-turn model semantic_vad asks. Both load as the process
+starts (a few hundred milliseconds), not on a call's first use, which would hold the loop."""
+
+from __future__ import annotations
+
+import logging
+
+from gateway.config import GatewayConfig
+from gateway.end_of_turn import EndOfTurn, EndOfTurnModel
+from gateway.protocol import ProtocolError, SessionConfig
+from gateway.silero import SileroModel
+from gateway.vad import SileroGate, Voice, WebrtcVoice
+from stages.backends import bundled
+
+logger = logging.getLogger(__name__)
+
+
+class TurnModels:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.silero: SileroModel | None = None
+        if config.voice_activity == "silero":
+            self.silero = SileroModel(bundled.resolve(config.silero_model))
+            logger.info("voice activity: Silero VAD (%s)", config.silero_model)
+        self.end_of_turn: EndOfTurn | None = None
+        self.end_of_turn_missing: str | None = None
+        try:
+            self.end_of_turn = EndOfTurn(EndOfTurnModel(bundled.resolve(config.end_of_turn)))
+        except (bundled.BundledModelMissing, FileNotFoundError) as exc:
+            if config.turn_detection.type == "semantic_vad":
+                raise
+            self.end_of_turn_missing = str(exc)  # semantic_vad is refused, naming it
+            logger.warning("semantic_vad is off: %s", exc)
+        else:
+            logger.info("end of turn: %s", config.end_of_turn)
+
+    def voice(self, threshold: float) -> Voice:
+        """A new call's per-frame classifier."""
+        if self.silero is not None:
+            return SileroGate(self.silero, threshold)
+        return WebrtcVoice(threshold)
+
+    def check(self, config: SessionConfig, param: str = "session") -> None:
+        """Refuse settings this process has no model for."""
+        td = config.turn_detection
+        if td is not None and td.semantic and self.end_of_turn is None:
+            where = f"{param}.audio.input.turn_detection.type"
+            raise ProtocolError(
+                f"{where}='semantic_vad' needs the end-of-turn model: {self.end_of_turn_missing}",
+                param=where,
+                code="unsupported",
+            )
+
+    def close(self) -> None:
+        if self.end_of_turn is not None:
+            self.end_of_turn.close()

@@ -1,0 +1,96 @@
+"""The turn models on real weights (Silero VAD, Smart Turn v3.2, as set-up fetched them), the
+words that make a sound over the agent an interruption, and semantic_vad's eagerness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.config import BACKCHANNELS
+from gateway.end_of_turn import WINDOW_SAMPLES, EndOfTurnModel
+from gateway.session.interruption import words_that_count
+from gateway.session.turns import Eagerness
+from gateway.silero import SileroModel, SileroVoice
+from gateway.vad import FRAME_SAMPLES, SileroGate, SpeechStarted, SpeechStopped, TurnDetector
+from loadtest.offline_quality import speak
+from loadtest.sounds import cough
+from stages.audio import resample
+from stages.backends import bundled
+
+
+@pytest.fixture(scope="module")
+def question() -> np.ndarray:
+    """A finished question in the Piper voice, 16 kHz, silence around it."""
+    return resample(
+        speak(["Can you tell me the weather in Paris today?"], "piper")[0], 48000, 16000
+    )
+
+
+@pytest.fixture(scope="module")
+def silero() -> SileroModel:
+    return SileroModel(bundled.resolve("bundled:silero-vad"))
+
+
+def frames(pcm: np.ndarray) -> list[np.ndarray]:
+    return [
+        pcm[i : i + FRAME_SAMPLES] for i in range(0, len(pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES)
+    ]
+
+
+def test_silero_calls_speech_speech_and_silence_silence(silero, question) -> None:
+    voice = SileroVoice(silero)
+    p = np.array([voice.probability(f) for f in frames(question)])
+    lead = int(0.3 * 50)  # speak() puts 0.3 s of silence first
+    assert p[: lead - 2].max() < 0.2
+    assert np.mean(p[lead + 5 : lead + 60] > 0.5) > 0.6
+    voice.reset()
+    assert max(voice.probability(f) for f in frames(cough(seed=1))) < 0.5
+
+
+def test_a_silero_turn_detector_starts_and_ends_the_turn(silero, question) -> None:
+    vad = TurnDetector(voice=SileroGate(silero, 0.5))
+    events = [
+        e
+        for f in frames(np.concatenate([question, np.zeros(16000, np.int16)]))
+        for e in vad.feed(f)
+    ]
+    kinds = [type(e) for e in events]
+    assert kinds == [SpeechStarted, SpeechStopped], kinds
+    stopped = events[-1]
+    assert stopped.audio_end_ms - stopped.speech_end_ms == 500
+
+
+def test_the_end_of_turn_model_hears_a_finished_question_and_one_cut_short(question) -> None:
+    model = EndOfTurnModel(bundled.resolve("bundled:smart-turn-v3.2"))
+    voiced = np.nonzero(np.abs(question) > 300)[0]
+    whole = question[: voiced[-1] + 3200]  # 200 ms of silence after the last word
+    assert model.probability(whole) >= Eagerness("medium").complete
+    assert model.probability(question[: int(1.5 * 16000)]) < 0.5  # "...the weather in"
+    features = model.features(whole)
+    assert features.shape == (80, WINDOW_SAMPLES // 160)
+    # short audio is padded at the front: the last frames are the speech, the first are not
+    assert features[:, -50:].std() > features[:, :50].std()
+
+
+@pytest.mark.parametrize(
+    ("text", "counts"),
+    [
+        ("Mm-hmm.", False),
+        ("Uh huh.", False),
+        ("Yeah, right.", False),
+        ("I see.", False),
+        ("", False),
+        ("Wait, stop.", True),
+        ("No, that's wrong", True),
+        ("I want Berlin", True),
+    ],
+)
+def test_words_that_count(text: str, counts: bool) -> None:
+    assert bool(words_that_count(text, BACKCHANNELS)) is counts
+
+
+def test_eagerness_orders_its_thresholds_and_waits() -> None:
+    low, medium, high = (Eagerness(e) for e in ("low", "medium", "high"))
+    assert low.complete > medium.complete > high.complete
+    assert (low.max_wait_ms, medium.max_wait_ms, high.max_wait_ms) == (8000, 4000, 2000)
+    assert vars(Eagerness("auto")) == vars(medium)
