@@ -349,3 +349,90 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
     b.link.calls.clear()
     b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_2", -1))
     assert b.link.calls == [] and b.session.reply.response_id == "resp_2"
+
+
+class Overlapping(Bound):
+    """A WebRTC-like session under the provisional policy whose agent is speaking."""
+
+    def __init__(self, min_speech_ms: int = 0) -> None:
+        from gateway.config import InterruptionConfig
+        from stages.messages import ResponseStarted
+
+        self.link, self.transport = RecordingLink(), RecordingTransport()
+        self.transport.kind = "webrtc"
+        self.metrics = GatewayMetrics()
+        policy = InterruptionConfig(policy="provisional", min_speech_ms=min_speech_ms)
+        self.session = RealtimeSession(
+            "sess_p",
+            self.link,
+            1,
+            22050,
+            self.metrics,
+            SessionConfig(voice="v"),
+            print,
+            interruptions=policy,
+        )
+        self.session.bind(self.transport)
+        self.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", -1))
+        self.audio(2205)
+
+    def speak(self, pcm: np.ndarray) -> None:
+        for start in range(0, len(pcm) - 319, 320):
+            self.session.feed_audio(pcm[start : start + 320])
+
+    def called(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for called, args in self.link.calls if called == name]
+
+    def types(self) -> list[str]:
+        return [e["type"] for e in self.transport.events]
+
+
+def test_a_provisional_turn_pauses_the_agent_and_a_backchannel_resumes_it(make_speech) -> None:
+    o = Overlapping()
+    o.speak(np.concatenate([make_speech("mm hmm").pcm16, np.zeros(16000, np.int16)]))
+    turn = o.session.turns.turn_id
+    assert o.transport.holds[-1] is True and o.called("cancel") == []
+    # its end goes to the stages as provisional, not to be answered, and is not committed
+    (stopped,) = o.called("speech_stopped")
+    assert stopped[1] == turn and stopped[3] is False
+    assert "input_audio_buffer.committed" not in o.types()
+    o.session.on_stage_event(transcript(turn, "Mm-hmm.", final=True))
+    assert o.transport.holds[-1] is False  # the agent plays on
+    assert o.called("cancel") == [] and o.session.reply.response_id == "resp_1"
+    assert "omni.interruption.resumed" in o.types()
+    assert "input_audio_buffer.committed" not in o.types()
+    assert [item.role for item in o.session.items] == ["assistant"]
+
+
+def test_words_that_count_cut_the_paused_reply_and_are_answered(make_speech) -> None:
+    o = Overlapping()
+    o.speak(np.concatenate([make_speech("what time is it").pcm16, np.zeros(16000, np.int16)]))
+    turn = o.session.turns.turn_id
+    o.session.on_stage_event(transcript(turn, "What time is it?", final=True))
+    (cancel,) = o.called("cancel")
+    assert cancel[1] == "resp_1"  # the paused reply, with what the caller heard of it
+    assert o.session.reply is None
+    (created,) = o.called("create_response")
+    assert "input_audio_buffer.committed" in o.types()
+    assert [item.role for item in o.session.items] == ["assistant", "user"]
+    assert o.session.replies.created.keys() == {created[1]}
+
+
+def test_words_too_short_to_count_do_not_interrupt(make_speech) -> None:
+    o = Overlapping(min_speech_ms=5000)
+    o.speak(np.concatenate([make_speech("what time is it").pcm16, np.zeros(16000, np.int16)]))
+    o.session.on_stage_event(transcript(o.session.turns.turn_id, "What time is it?", final=True))
+    assert o.called("cancel") == [] and "omni.interruption.resumed" in o.types()
+
+
+def test_speech_that_goes_on_interrupts_and_its_turn_is_begun_again(make_speech) -> None:
+    o = Overlapping()
+    o.session.turns.confirm_ms = 400
+    o.speak(make_speech("please stop talking I have a much longer question for you").pcm16)
+    (cancel,) = o.called("cancel")
+    starts = o.called("speech_started")
+    assert len(starts) == 2 and starts[1][1] == starts[0][1] + 1  # the turn again, anew
+    assert o.session.turns.provisional == set()
+    # its audio so far went to the encoder again after the cancel
+    order = [c[0] for c in o.link.calls]
+    assert order.index("cancel") < len(order) - 1 - order[::-1].index("speech_started")

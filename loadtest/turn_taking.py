@@ -1,0 +1,424 @@
+"""Turn-taking benchmark: when the agent answers, and what stops it, under each turn detection
+and interruption policy, side by side in one run.
+
+    python -m loadtest.turn_taking [--config configs/offline.yaml] [--callers 1] [--limit N]
+        [--variants immediate:webrtc,provisional:webrtc,provisional:silero]
+        [--set KEY=VALUE ...] [--out DIR]
+
+A labelled set is made here with the project's voices (the Piper voice, two espeak-ng voices):
+finished questions; the same questions with a pause of 300 or 700 ms cut into them at a quiet
+point between words; and sounds made over the agent while it speaks: coughs, noise bursts,
+backchannels ("Mm hmm.", "Yeah.") and real interruptions. For each interruption policy
+(immediate, provisional) the stages and the gateway start on 127.0.0.1, and callers (real
+aiortc peers, real Opus, in a process of their own) play the set under server_vad and under
+semantic_vad. The variants are POLICY:CLASSIFIER, the VAD's classifier webrtcvad or Silero;
+replies are made long (200 tokens) so that the sounds fall inside them. All times are the
+caller's: end of speech is when the clip's last voiced sample left the caller, first audio
+when the agent's first voiced frame reached it.
+
+Reported per variant: end of speech to first agent audio p50/p95 for the questions; premature
+turn ends (the turn ended inside the pause); sounds over the agent that stopped it for good
+(false barge-ins: the reply was cancelled) or only paused it; interruptions missed (the reply
+was not cancelled) and the barge-in latency at the client (speech onset to the agent's audio
+stopping); the gateway's event-loop lag p99 with the models on. Prints JSON and a table;
+writes results.json and table.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.gpu_run import add_set_argument, describe_machine, log, setting_overrides, summary
+
+ROOT = Path(__file__).parents[1]
+VOICES = ("piper", "espeak:en-us", "espeak:en-us+f3")
+QUESTIONS = (
+    "Can you tell me the weather in Paris today?",
+    "How many legs does a spider have?",
+    "What time does the train to Berlin leave?",
+    "Which season comes after winter?",
+)
+BACKCHANNELS = ("Mm hmm.", "Yeah.")
+INTERRUPTIONS = ("Wait, stop. What time is it?", "No, tell me about Berlin instead.")
+PAUSES_MS = (300, 700)
+RATE = 48_000
+VOICED = 300  # |sample| above which a clip is speech
+SILENT_RMS = 30.0  # what Opus silence decodes to, per received frame
+SILENT_RUN = 10  # received frames of silence (200 ms) that say the agent stopped
+VARIANTS = ("immediate:webrtc", "provisional:webrtc", "provisional:silero")  # policy:classifier
+TURN_DETECTIONS = ("server_vad", "semantic_vad")
+
+
+@dataclass
+class Clip:
+    kind: str  # question, paused_300, paused_700, cough, noise, backchannel, interruption
+    voice: str
+    text: str
+    pcm: np.ndarray  # 48 kHz PCM16
+    speech_start_s: float  # offsets of the first and last voiced samples in the clip
+    speech_end_s: float
+    pause_s: float = 0.0  # where a paused question's pause begins
+
+    def label(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["pcm"]
+        return out
+
+
+def _voiced_span(pcm: np.ndarray) -> tuple[float, float]:
+    voiced = np.nonzero(np.abs(pcm) > VOICED)[0]
+    return voiced[0] / RATE, voiced[-1] / RATE
+
+
+def _with_pause(pcm: np.ndarray, pause_ms: int) -> tuple[np.ndarray, float]:
+    """The clip with `pause_ms` of silence cut in at its quietest 20 ms between 40 and 70 %
+    of its speech (a gap between words), and where the pause begins."""
+    start, end = (int(t * RATE) for t in _voiced_span(pcm))
+    frame = RATE // 50
+    lo, hi = start + int(0.4 * (end - start)), start + int(0.7 * (end - start))
+    energy = [np.mean(pcm[i : i + frame].astype(np.float64) ** 2) for i in range(lo, hi, frame)]
+    at = lo + int(np.argmin(energy)) * frame + frame // 2
+    gap = np.zeros(RATE * pause_ms // 1000, np.int16)
+    return np.concatenate([pcm[:at], gap, pcm[at:]]), at / RATE
+
+
+def labelled_set(limit: int | None) -> list[Clip]:
+    from loadtest.offline_quality import speak
+    from loadtest.sounds import cough, noise_burst
+    from stages.audio import resample
+
+    clips: list[Clip] = []
+    questions = QUESTIONS[:limit]
+    for voice in VOICES:
+        spoken = speak([*questions, *BACKCHANNELS, *INTERRUPTIONS], voice)
+        for text, pcm in zip(questions, spoken, strict=False):
+            clips.append(Clip("question", voice, text, pcm, *_voiced_span(pcm)))
+            for pause_ms in PAUSES_MS:
+                paused, at = _with_pause(pcm, pause_ms)
+                kind = f"paused_{pause_ms}"
+                clips.append(Clip(kind, voice, text, paused, *_voiced_span(paused), at))
+        for text, pcm in zip(
+            [*BACKCHANNELS, *INTERRUPTIONS], spoken[len(questions) :], strict=True
+        ):
+            kind = "backchannel" if text in BACKCHANNELS else "interruption"
+            clips.append(Clip(kind, voice, text, pcm, *_voiced_span(pcm)))
+    for seed in range(len(VOICES)):
+        for kind, sound in (("cough", cough(seed)), ("noise", noise_burst(250, -20.0, seed))):
+            pcm = np.concatenate([np.zeros(RATE // 5, np.int16), resample(sound, 16000, RATE)])
+            clips.append(Clip(kind, f"seed {seed}", kind, pcm, *_voiced_span(pcm)))
+    return clips
+
+
+# -- the caller's side (a process of its own) ---------------------------------------------
+
+
+def _voiced_frames(call: Any, since: float) -> list[float]:
+    return [
+        t
+        for t, level in zip(call.speaker.arrivals, call.speaker.levels, strict=True)
+        if t >= since and level > SILENT_RMS
+    ]
+
+
+def _stopped_at(call: Any, since: float) -> float | None:
+    """The arrival of the first received frame after `since` that begins SILENT_RUN frames of
+    silence: when the agent's audio stopped at the caller."""
+    arrivals, levels = call.speaker.arrivals, call.speaker.levels
+    for i, t in enumerate(arrivals):
+        run = levels[i : i + SILENT_RUN]
+        if t >= since and len(run) == SILENT_RUN and all(level <= SILENT_RMS for level in run):
+            return t
+    return None
+
+
+async def _quiet(call: Any) -> None:
+    """Cancel whatever the agent says and wait until nothing more comes (the error a cancel
+    gets when nothing is in progress is expected)."""
+    for _ in range(5):
+        call.send({"type": "response.cancel"})
+        deadline = time.monotonic() + 1.5
+        again = False
+        while not again and (left := deadline - time.monotonic()) > 0:
+            try:
+                event = await call.next_event("response.created", "error", timeout=left)
+            except TimeoutError:
+                break
+            again = event["type"] == "response.created"
+        if not again:
+            return
+
+
+async def _question(call: Any, clip: Clip) -> dict[str, Any]:
+    n_clips = len(call.microphone.clip_started)
+    seen = len(call.history)
+    call.microphone.play(clip.pcm)
+    while len(call.microphone.clip_started) == n_clips:
+        await asyncio.sleep(0.005)  # polling the microphone's clip log
+    started = call.microphone.clip_started[n_clips]
+    end = started + clip.speech_end_s
+    deadline = end + 15
+    while not _voiced_frames(call, end) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)  # polling the receiver's frame log
+    first = _voiced_frames(call, end)
+    ended_early = [
+        t
+        for t, e in call.history[seen:]
+        if e["type"] == "input_audio_buffer.speech_stopped" and t < end
+    ]
+    await _quiet(call)
+    return {
+        "premature": bool(ended_early),
+        "first_audio_ms": round((first[0] - end) * 1000, 1) if first else None,
+    }
+
+
+async def _over_the_agent(call: Any, clip: Clip) -> dict[str, Any]:
+    call.send({"type": "response.create"})
+    created = await call.next_event("response.created", timeout=30)
+    response_id = created["response"]["id"]
+    deadline = time.monotonic() + 30
+    while len(_voiced_frames(call, time.monotonic() - 0.1)) < 3:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the agent's audio never came")
+        await asyncio.sleep(0.02)  # polling the receiver's frame log
+    await asyncio.sleep(0.4)  # into the reply, as a listener reacts
+    n_clips = len(call.microphone.clip_started)
+    call.microphone.play(clip.pcm)
+    while len(call.microphone.clip_started) == n_clips:
+        await asyncio.sleep(0.005)  # polling the microphone's clip log
+    onset = call.microphone.clip_started[n_clips] + clip.speech_start_s
+    watch_until = call.microphone.clip_started[n_clips] + clip.speech_end_s + 5.0
+    cancelled = False
+    while time.monotonic() < watch_until and not cancelled:
+        cancelled = any(
+            e["type"] == "response.done"
+            and e["response"]["id"] == response_id
+            and e["response"]["status"] == "cancelled"
+            for _, e in call.history
+        )
+        await asyncio.sleep(0.05)  # polling the event log
+    stopped = _stopped_at(call, onset)
+    await _quiet(call)
+    return {
+        "cancelled": cancelled,
+        "paused": stopped is not None and stopped < onset + 1.0,
+        "stop_ms": round((stopped - onset) * 1000, 1) if stopped is not None else None,
+    }
+
+
+async def _caller(base: str, clips: list[Clip], turn_detection: str) -> list[dict[str, Any]]:
+    from gateway.client import RealtimeCall
+
+    call = await RealtimeCall.connect(base)
+    out = []
+    try:
+        await call.next_event("session.created")
+        td = {"type": turn_detection}
+        update = {"audio": {"input": {"turn_detection": td}}}
+        call.send({"type": "session.update", "session": update})
+        await call.next_event("session.updated", timeout=10)
+        for clip in clips:
+            trial = _question if clip.kind.startswith(("question", "paused")) else _over_the_agent
+            try:
+                result = await trial(call, clip)
+            except TimeoutError as exc:
+                result = {"error": str(exc) or "timed out"}
+            out.append({"kind": clip.kind, "voice": clip.voice, "text": clip.text, **result})
+    finally:
+        await call.close()
+    return out
+
+
+def _callers_process(base: str, n: int, clips: list[Clip], turn_detection: str, conn) -> None:
+    import traceback
+
+    from gateway.ice import restrict_host_addresses
+
+    async def run() -> list[list[dict[str, Any]]]:
+        return list(await asyncio.gather(*(_caller(base, clips, turn_detection) for _ in range(n))))
+
+    try:
+        restrict_host_addresses(["127.0.0.1"])
+        conn.send(asyncio.run(run()))
+    except Exception:
+        conn.send({"error": traceback.format_exc()})
+
+
+async def _run_callers(base: str, n: int, clips: list[Clip], turn_detection: str) -> Any:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_callers_process, args=(base, n, clips, turn_detection, child))
+    proc.start()
+    child.close()
+    try:
+        budget = 120 + 25 * len(clips)
+        if not await asyncio.to_thread(parent.poll, budget):
+            return {"error": f"the callers sent no report within {budget} s"}
+        return parent.recv()
+    finally:
+        await asyncio.to_thread(proc.join, 30)
+        if proc.is_alive():
+            proc.kill()
+
+
+# -- the service's side --------------------------------------------------------------------
+
+
+def _lag_p99_ms(gateway: Any) -> float | None:
+    """The 99th percentile of the gateway's event-loop lag, from its histogram's buckets."""
+    hist = gateway.metrics.loop_lag
+    samples = [s for m in hist.collect() for s in m.samples if s.name.endswith("_bucket")]
+    total = max((s.value for s in samples), default=0)
+    if not total:
+        return None
+    for s in sorted(samples, key=lambda s: float(s.labels["le"])):
+        if s.value >= 0.99 * total:
+            return float(s.labels["le"]) * 1000
+    return None
+
+
+async def run_variant(config_path: Path, variant: str, clips: list[Clip], args: Any) -> dict:
+    from gateway.config import load_config
+    from loadtest.gpu_run import tapped_gateway
+    from stages.supervisor import Supervisor
+
+    policy, _, classifier = variant.partition(":")
+    settings = {
+        "gateway.port": 0,
+        "gateway.interruptions.policy": policy,
+        "gateway.voice_activity": classifier or "webrtc",
+        "reasoning.sampling": {"max_tokens": 200, "ignore_eos": True},
+        **setting_overrides([dimension[0] for dimension in args.set]),
+    }
+    config = load_config(config_path, settings)
+    out: dict[str, Any] = {}
+    with Supervisor(config) as supervisor:
+        supervisor.start(progress=log)
+        async with tapped_gateway(config, supervisor) as (base, gateway, _):
+            for td in TURN_DETECTIONS:
+                log(f"{variant} / {td}: {args.callers} caller(s), {len(clips)} clips each")
+                gateway.metrics.loop_lag.clear()
+                reports = await _run_callers(base, args.callers, clips, td)
+                out[td] = {"trials": reports, "loop_lag_p99_ms": _lag_p99_ms(gateway)}
+    return out
+
+
+def figures(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    def of(*kinds: str) -> list[dict[str, Any]]:
+        return [t for t in trials if t["kind"] in kinds and "error" not in t]
+
+    questions = of("question", "paused_300", "paused_700")
+    first = [t["first_audio_ms"] for t in questions if not t["premature"] and t["first_audio_ms"]]
+    sounds = of("cough", "noise", "backchannel")
+    real = of("interruption")
+    out: dict[str, Any] = {
+        "first_audio_ms": summary(first, 50, 95),
+        "unanswered": sum(t["first_audio_ms"] is None for t in questions),
+        "errors": sum("error" in t for t in trials),
+    }
+    for kind in ("question", "paused_300", "paused_700"):
+        group = of(kind)
+        out[f"premature_{kind}"] = f"{sum(t['premature'] for t in group)}/{len(group)}"
+    for kind in ("cough", "noise", "backchannel"):
+        group = of(kind)
+        out[f"false_barge_in_{kind}"] = f"{sum(t['cancelled'] for t in group)}/{len(group)}"
+        out[f"paused_{kind}"] = f"{sum(t['paused'] for t in group)}/{len(group)}"
+    out["false_barge_ins"] = f"{sum(t['cancelled'] for t in sounds)}/{len(sounds)}"
+    out["missed_barge_ins"] = f"{sum(not t['cancelled'] for t in real)}/{len(real)}"
+    out["barge_in_ms"] = summary([t["stop_ms"] for t in real if t["stop_ms"] is not None], 50, 95)
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"machine: {results['machine'].get('cpus')} CPUs, GPUs {results['machine'].get('gpus')}; "
+        f"config {results['config']}; {results['callers']} caller(s)",
+        "",
+        "| policy:classifier | turn detection | first audio p50 / p95 ms "
+        "| premature 300 / 700 ms pause | false barge-ins (cough, noise, backchannel) "
+        "| paused by them | missed barge-ins "
+        "| barge-in p50 / p95 ms | loop lag p99 ms |",
+        "|---|---|---:|---|---|---|---|---:|---:|",
+    ]
+    for policy, by_td in results["policies"].items():
+        for td, r in by_td.items():
+            f = r["figures"]
+            fa, bi = f["first_audio_ms"], f["barge_in_ms"]
+            paused = ", ".join(f[f"paused_{k}"] for k in ("cough", "noise", "backchannel"))
+            false = ", ".join(f[f"false_barge_in_{k}"] for k in ("cough", "noise", "backchannel"))
+            lines.append(
+                f"| {policy} | {td} | {fa.get('p50')} / {fa.get('p95')} "
+                f"| {f['premature_paused_300']} / {f['premature_paused_700']} | {false} "
+                f"| {paused} | {f['missed_barge_ins']} | {bi.get('p50')} / {bi.get('p95')} "
+                f"| {r['loop_lag_p99_ms']} |"
+            )
+    return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    """A config's path as the project names it (relative to the checkout where it is in it)."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "offline.yaml")
+    parser.add_argument("--callers", type=int, default=1, help="calls at once, each the set")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="POLICY:CLASSIFIER each (immediate or provisional; webrtc or silero)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("out/turn-taking"))
+    add_set_argument(parser, "gateway.end_of_turn_pause_ms=150")
+    args = parser.parse_args(argv)
+    if any(len(dimension) > 1 for dimension in args.set):
+        parser.error("--set takes one value per key here: the variants are the policies")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log("making the labelled set")
+    clips = labelled_set(args.limit)
+    results: dict[str, Any] = {
+        "benchmark": "turn_taking",
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m loadtest.turn_taking " + " ".join(argv or sys.argv[1:]),
+        "machine": describe_machine(),
+        "config": _shown(args.config),
+        "callers": args.callers,
+        "clips": [c.label() for c in clips],
+        "policies": {},
+    }
+    for variant in args.variants.split(","):
+        by_td = asyncio.run(run_variant(args.config, variant, clips, args))
+        for r in by_td.values():
+            trials = r["trials"]
+            flat = [t for caller in trials for t in caller] if isinstance(trials, list) else []
+            r["figures"] = figures(flat) if flat else {"error": trials}
+        results["policies"][variant] = by_td
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    text = table(results)
+    (args.out / "table.md").write_text(text + "\n")
+    summary_json = {
+        p: {td: r["figures"] for td, r in by_td.items()} for p, by_td in results["policies"].items()
+    }
+    print(json.dumps({"machine": results["machine"], "figures": summary_json}))
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
