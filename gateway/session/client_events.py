@@ -58,6 +58,8 @@ def dispatch(session: RealtimeSession, message: Any) -> None:
 
 def session_update(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
     had_vad = session.config.turn_detection is not None
+    if session.turn_models is not None:  # semantic_vad needs the end-of-turn model
+        session.turn_models.check(session.config.updated(data.get("session")))
     session.config.apply(data.get("session"))
     session.turns.reconfigure(had_vad)
     session.apply_settings()

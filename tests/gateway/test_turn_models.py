@@ -94,3 +94,23 @@ def test_eagerness_orders_its_thresholds_and_waits() -> None:
     assert low.complete > medium.complete > high.complete
     assert (low.max_wait_ms, medium.max_wait_ms, high.max_wait_ms) == (8000, 4000, 2000)
     assert vars(Eagerness("auto")) == vars(medium)
+
+
+def test_semantic_vad_is_refused_where_the_end_of_turn_model_is_missing(tmp_path) -> None:
+    from gateway.config import GatewayConfig
+    from gateway.protocol import ProtocolError, SessionConfig
+    from gateway.turn_models import TurnModels
+
+    models = TurnModels(GatewayConfig(end_of_turn=str(tmp_path / "none")))
+    config = SessionConfig(voice="v")
+    models.check(config)  # server_vad needs no model
+    config.apply({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}})
+    with pytest.raises(ProtocolError, match="end-of-turn model") as refused:
+        models.check(config)
+    assert refused.value.param == "session.audio.input.turn_detection.type"
+    with pytest.raises(FileNotFoundError):  # a gateway configured for it does not start
+        TurnModels(
+            GatewayConfig(
+                end_of_turn=str(tmp_path / "none"), turn_detection={"type": "semantic_vad"}
+            )
+        )
