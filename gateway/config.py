@@ -73,7 +73,7 @@ class InterruptionConfig(Strict):
         "a recognizer hears words in a hum now and then (LiveKit's default is 500)",
     )
     confirm_ms: int = Field(
-        1000, ge=100, le=10_000, description="voiced time over the agent that interrupts"
+        1000, ge=100, le=5000, description="voiced time over the agent that interrupts"
     )
 
 

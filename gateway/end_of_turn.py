@@ -68,14 +68,14 @@ class EndOfTurn:
     def __init__(self, model: EndOfTurnModel) -> None:
         self.model = model
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="end-of-turn")
-        self.last_ms = 0.0  # how long the last prediction took, for the metrics
 
-    async def probability(self, audio: np.ndarray) -> float:
+    async def probability(self, audio: np.ndarray) -> tuple[float, float]:
+        """The probability that the turn is complete, and the seconds the answer took (its
+        wait for the thread included)."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         p = await loop.run_in_executor(self._pool, self.model.probability, audio)
-        self.last_ms = (time.perf_counter() - started) * 1000
-        return p
+        return p, time.perf_counter() - started
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

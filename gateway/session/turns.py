@@ -36,8 +36,9 @@ from stages.link import PipelineLink
 FRAME_SAMPLES_16K = 320  # 20 ms at 16 kHz
 MANUAL_BUFFER_S = 120  # audio held for a manual commit, at most
 CHUNK_SAMPLES = 3200  # 200 ms at 16 kHz, what a commit sends at a time
-TURN_AUDIO_FRAMES = 30 * 1000 // FRAME_MS  # a turn's audio kept: the end-of-turn model reads
-# the last 8 s, a provisional turn is replayed from its start once it interrupts
+TURN_AUDIO_FRAMES = 12 * 1000 // FRAME_MS  # a turn's audio kept: the end-of-turn model reads
+# the last 8 s, a provisional turn is replayed from its start once it interrupts (confirm_ms
+# of voice, at most 5 s)
 
 
 class Eagerness:
@@ -131,7 +132,6 @@ class CallerTurns:
         self.turn_audio_start_ms = 0
         self._voiced_ms = 0  # voiced time in the turn in progress
         self._asked_at = -1  # the pause (its speech end) the end-of-turn model was asked about
-        self.end_of_turn_asked = 0  # questions put to the model, for the tests and metrics
 
     def _silence_limit_ms(self, td: TurnDetection) -> int:
         """semantic_vad waits up to the eagerness's maximum; the model ends turns sooner."""
@@ -203,14 +203,13 @@ class CallerTurns:
         if pause == self._asked_at or self.spawn is None:
             return
         self._asked_at = pause
-        self.end_of_turn_asked += 1
         audio = np.concatenate(list(self.turn_audio)[-(WINDOW_SAMPLES // FRAME_SAMPLES_16K) :])
         self.spawn(self._end_of_turn(self.turn_id, pause, audio), f"end-of-turn-{self.turn_id}")
 
     async def _end_of_turn(self, turn_id: int, pause: int, audio: np.ndarray) -> None:
         assert self.end_of_turn is not None
-        p = await self.end_of_turn.probability(audio)
-        self.metrics.end_of_turn.observe(self.end_of_turn.last_ms / 1000)
+        p, took_s = await self.end_of_turn.probability(audio)
+        self.metrics.end_of_turn.observe(took_s)
         td = self.config.turn_detection
         still = turn_id == self.turn_id and self.vad.in_speech and self.vad.speech_end_ms == pause
         if td is None or not td.semantic or not still:
