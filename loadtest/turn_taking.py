@@ -145,6 +145,8 @@ def _stopped_at(call: Any, since: float) -> float | None:
 async def _quiet(call: Any) -> None:
     """Cancel whatever the agent says and wait until nothing more comes (the error a cancel
     gets when nothing is in progress is expected)."""
+    while call.microphone.busy:  # the clip played to its end first
+        await asyncio.sleep(0.02)
     for _ in range(5):
         call.send({"type": "response.cancel"})
         deadline = time.monotonic() + 1.5
@@ -198,15 +200,17 @@ async def _over_the_agent(call: Any, clip: Clip) -> dict[str, Any]:
     while len(call.microphone.clip_started) == n_clips:
         await asyncio.sleep(0.005)  # polling the microphone's clip log
     onset = call.microphone.clip_started[n_clips] + clip.speech_start_s
-    watch_until = call.microphone.clip_started[n_clips] + clip.speech_end_s + 5.0
+    end = call.microphone.clip_started[n_clips] + clip.speech_end_s
     cancelled = False
-    while time.monotonic() < watch_until and not cancelled:
+    while time.monotonic() < end + 4.0:  # time for the transcript to decide, and the stop
         cancelled = any(
             e["type"] == "response.done"
             and e["response"]["id"] == response_id
             and e["response"]["status"] == "cancelled"
             for _, e in call.history
         )
+        if cancelled and time.monotonic() > end + 1.0 and _stopped_at(call, onset):
+            break
         await asyncio.sleep(0.05)  # polling the event log
     stopped = _stopped_at(call, onset)
     await _quiet(call)

@@ -9,6 +9,7 @@ a `TurnListener`.
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Protocol
 
@@ -32,6 +33,8 @@ from gateway.vad import (
     Voice,
 )
 from stages.link import PipelineLink
+
+logger = logging.getLogger(__name__)
 
 FRAME_SAMPLES_16K = 320  # 20 ms at 16 kHz
 MANUAL_BUFFER_S = 120  # audio held for a manual commit, at most
@@ -215,6 +218,7 @@ class CallerTurns:
         if td is None or not td.semantic or not still:
             return  # the caller spoke again, or the turn ended meanwhile
         eagerness = Eagerness(td.eagerness)
+        logger.debug("turn %d: end-of-turn probability %.3f at %d ms", turn_id, p, pause)
         if p >= eagerness.complete:
             stopped = self.vad.end_turn()
             assert stopped is not None
