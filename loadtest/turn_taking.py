@@ -236,8 +236,9 @@ async def _caller(base: str, clips: list[Clip], turn_detection: str) -> list[dic
             trial = _question if clip.kind.startswith(("question", "paused")) else _over_the_agent
             try:
                 result = await trial(call, clip)
-            except TimeoutError as exc:
+            except (TimeoutError, RuntimeError) as exc:  # RuntimeError: an error event
                 result = {"error": str(exc) or "timed out"}
+                await _quiet(call)
             out.append({"kind": clip.kind, "voice": clip.voice, "text": clip.text, **result})
     finally:
         await call.close()
@@ -358,6 +359,9 @@ def table(results: dict[str, Any]) -> str:
     for policy, by_td in results["policies"].items():
         for td, r in by_td.items():
             f = r["figures"]
+            if "error" in f:
+                lines.append(f"| {policy} | {td} | the callers failed: see results.json |")
+                continue
             fa, bi = f["first_audio_ms"], f["barge_in_ms"]
             paused = ", ".join(f[f"paused_{k}"] for k in ("cough", "noise", "backchannel"))
             false = ", ".join(f[f"false_barge_in_{k}"] for k in ("cough", "noise", "backchannel"))
