@@ -37,7 +37,7 @@ from gateway.protocol import (
 )
 from gateway.resample import CALLER_RATE, Upsampler
 from gateway.session import client_events, stop
-from gateway.session.interruption import Overlap, words_that_count
+from gateway.session.interruption import words_that_count
 from gateway.session.outbox import Outbox, Transport
 from gateway.session.replies import Replies
 from gateway.session.reply import Reply
@@ -111,7 +111,7 @@ class RealtimeSession:
         self.items = Conversation()
         self.tasks = Tasks()
         self.interruptions = interruptions or InterruptionConfig()
-        self.overlap: Overlap | None = None  # the reply paused under a provisional turn
+        self.paused: Reply | None = None  # the reply paused under provisional turns
         td = config.turn_detection
         self.turns = CallerTurns(
             link,
@@ -254,8 +254,8 @@ class RealtimeSession:
             and transport is not None
             and transport.kind == "webrtc"
         ):
-            if self.overlap is None:
-                self.overlap = Overlap(reply)
+            if self.paused is None:
+                self.paused = reply
                 self.log.info("reply %s paused: the caller speaks over it", reply.response_id)
             transport.hold(True)
             return True
@@ -289,7 +289,7 @@ class RealtimeSession:
         the provisional policy, until the turn is known not to be one)."""
         if self.transport is not None:
             held = unsure and self.hold_on_voice and self._interrupts()
-            held = held or self.overlap is not None
+            held = held or self.paused is not None
             self.transport.hold(held and self.replies.current is not None)
 
     # -- provisional turns over the agent (gateway.session.interruption) ------------------
@@ -305,7 +305,7 @@ class RealtimeSession:
             "an interruption" if counts else "none",
         )
         item_id = self.turns.settle(turn_id, text, counts)
-        overlap = self.overlap
+        paused = self.paused
         if counts:
             self._interrupted()
             td = self.config.turn_detection
@@ -315,11 +315,11 @@ class RealtimeSession:
                 self.sync_history()
             return
         self.metrics.false_interruptions.inc()
-        if overlap is None or self.turns.provisional or self.turns.vad.in_speech:
+        if paused is None or self.turns.provisional or self.turns.vad.in_speech:
             return  # another sound over the agent is still to be settled
-        self.overlap = None
+        self.paused = None
         reply = self.replies.current
-        if reply is overlap.reply and self.transport is not None:
+        if reply is paused and self.transport is not None:
             self.transport.hold(False)
             self.outbox.interruption_resumed(reply.response_id or "", item_id or "", text)
             self.log.info("reply %s plays on (%r was no interruption)", reply.response_id, text)
@@ -327,8 +327,8 @@ class RealtimeSession:
     def _interrupted(self) -> None:
         """The caller's sound over the agent was an interruption: the reply paused for it is
         cut where it paused, as a barge-in."""
-        overlap, self.overlap = self.overlap, None
-        if overlap is not None and self.replies.current is overlap.reply:
+        paused, self.paused = self.paused, None
+        if paused is not None and self.replies.current is paused:
             stop.cut(self.replies, self.cancels, "barge_in", self.log)
 
     def _answer(self, text: str) -> None:

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
-
-from gateway.session.reply import Reply
 
 # sounds people make while listening; never a word that counts
 _HUM = re.compile(r"^(?:[hm]+|u+[hm]*|a+h+|o+h+|e+r*m*|mhm+|uhhuh|huh)$")
@@ -35,10 +32,3 @@ def words_that_count(text: str, backchannels: Iterable[str]) -> list[str]:
     allowed = {word for phrase in backchannels for word in phrase.lower().split()}
     words = re.findall(r"[a-z']+", text.lower().replace("-", " "))
     return [w for w in words if w.strip("'") and not _HUM.match(w) and w not in allowed]
-
-
-@dataclass
-class Overlap:
-    """The reply paused while provisional turns over it are settled (CallerTurns.provisional)."""
-
-    reply: Reply
