@@ -6,9 +6,10 @@ probability that the turn is complete: intonation and an unfinished phrase say "
 a silence window can only wait. The features are faster-whisper's (the encoder's own
 dependency) on the waveform normalised to zero mean and unit variance, as the model was trained.
 
-One model serves every call of a gateway process. A prediction takes a few milliseconds of a
-core, too long for the event loop that carries every call's audio, so it runs on a thread of
-its own (onnxruntime and numpy's FFT release the GIL); calls queue for it in order.
+One model serves every call of a gateway process. A prediction takes tens of milliseconds of a
+core (52 ms p50 on a 2-core machine), far too long for the event loop that carries every call's
+audio, so it runs on a thread of its own (onnxruntime and numpy's FFT release the GIL); calls
+queue for it in order.
 """
 
 from __future__ import annotations

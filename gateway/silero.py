@@ -5,8 +5,8 @@ with the last 64 samples of the window before as context, and carries a recurren
 window to window. The VAD feeds 20 ms frames, so each frame adds to a window and is given the
 probability of the newest complete one: a frame's answer is at most 32 ms old.
 
-A window takes a fraction of a millisecond on one core, done on the event loop, where the
-frame is (gateway.loopwatch measures the cost in a loaded process, docs/benchmarks.md).
+A frame costs about 0.15 ms on the event loop, where the frame is: 15 times webrtcvad's, about
+15% of a core for 20 calls (`python -m loadtest.vad_load`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
