@@ -3,7 +3,6 @@ in front of the calls this process carries (gateway.calls)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +16,8 @@ from gateway import speech
 from gateway.auth import AuthError, Grant
 from gateway.calls import MULTIPROCESS, Gateway
 from gateway.config import OmniConfig
+from gateway.http_errors import openai_error, openai_shaped_errors
+from gateway.json_input import parse_json
 from gateway.protocol import ProtocolError
 from gateway.websocket import serve_websocket, websocket_response
 from stages.link import SessionsFull
@@ -26,19 +27,6 @@ logger = logging.getLogger(__name__)
 
 MAX_SDP_BYTES = 64 * 1024
 GATEWAY_KEY = web.AppKey("gateway", "Gateway")
-
-
-def openai_error(
-    status: int,
-    message: str,
-    *,
-    code: str,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "code": code, "param": param}}
-    return web.json_response(body, status=status, headers=headers)
 
 
 async def _read_body(request: web.Request, limit: int = MAX_SDP_BYTES) -> bytes:
@@ -113,7 +101,14 @@ def _form_text(field: Any) -> str | None:
 async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None] | web.Response:
     """The `sdp` and optional `session` (JSON) fields of a multipart/form-data offer, the
     shape OpenAI's SDKs send when they configure the session with the call."""
-    form = await request.post()
+    try:
+        form = await request.post()
+    except web.HTTPException:
+        raise  # a body over the size limit: 413
+    except Exception as exc:  # aiohttp's multipart reader fails in many ways on bad bodies
+        return openai_error(
+            400, f"unreadable multipart/form-data body: {exc}", code="invalid_request"
+        )
     try:
         sdp, session = _form_text(form.get("sdp")), _form_text(form.get("session"))
     except UnicodeDecodeError:
@@ -123,9 +118,11 @@ async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None]
     if session is None:
         return sdp, None
     try:
-        parsed = json.loads(session)
-    except json.JSONDecodeError as exc:
-        return openai_error(400, f"'session' is not JSON: {exc}", code="invalid_json")
+        parsed = parse_json(session, "the 'session' field")
+    except ProtocolError as exc:
+        return _refused(exc)
+    if not isinstance(parsed, dict):
+        return openai_error(400, "'session' must be a JSON object", code="invalid_value")
     return sdp, parsed
 
 
@@ -186,11 +183,10 @@ async def offer(request: web.Request) -> web.Response:
         return openai_error(
             415, "Content-Type must be application/json", code="unsupported_media_type"
         )
-    body = await _read_body(request)
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return openai_error(400, f"invalid JSON: {exc}", code="invalid_json")
+        data = parse_json(await _read_body(request))
+    except ProtocolError as exc:
+        return _refused(exc)
     if (
         not isinstance(data, dict)
         or data.get("type") != "offer"
@@ -268,7 +264,7 @@ async def client_secrets(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
     body = await _read_body(request)
     try:
-        data = json.loads(body) if body.strip() else {}
+        data = parse_json(body) if body.strip() else {}
         if not isinstance(data, dict):
             raise ProtocolError("the body must be a JSON object")
         for key in data:
@@ -287,10 +283,12 @@ async def client_secrets(request: web.Request) -> web.Response:
                     "expires_after.seconds must be an integer from 10 to 7200",
                     param="expires_after.seconds",
                 )
-        session = data.get("session") or {"type": "realtime"}
+        session = data.get("session")
+        if session is None:
+            session = {"type": "realtime"}
+        if not isinstance(session, dict):
+            raise ProtocolError("session must be an object", param="session")
         config = gateway.check_session_config(session)
-    except json.JSONDecodeError as exc:
-        return openai_error(400, f"invalid JSON: {exc}", code="invalid_json")
     except ProtocolError as exc:
         return _refused(exc)
     try:
@@ -314,7 +312,7 @@ async def audio_speech(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY_KEY]
     try:
         fields = speech.parse_request(
-            speech.body_json(await _read_body(request)), gateway.config.vocoder.voice
+            parse_json(await _read_body(request)), gateway.config.vocoder.voice
         )
     except ProtocolError as exc:
         return _refused(exc)
@@ -369,7 +367,7 @@ def create_app(
 ) -> web.Application:
     """The app of one gateway process; `process`: Gateway's instance, socket_dir and
     signing_key, for a service of several."""
-    app = web.Application(client_max_size=MAX_SDP_BYTES)
+    app = web.Application(client_max_size=MAX_SDP_BYTES, middlewares=[openai_shaped_errors])
     gateway = Gateway(config, names, vocoder_rate, is_ready, **process)
     gateway.auth.announce(f"http://{config.gateway.host}:{config.gateway.port}")
     app[GATEWAY_KEY] = gateway

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.events import new_id
-from gateway.protocol import ProtocolError, unsupported
+from gateway.protocol import ProtocolError, text_field, unsupported
 
 ROLES = ("user", "assistant", "system")
+# the history sent to the reasoning stage, in one ring record of 512 KiB with room to spare
+HISTORY_BYTES = 384 * 1024
 # the content part types a message of each role may carry, as created by a client
 CLIENT_CONTENT = {
     "user": ("input_text",),
@@ -78,13 +80,14 @@ def item_from_client(value: Any) -> Item:
                 param=f"{where}.type",
             )
         key = "transcript" if ptype == "output_audio" else "text"
-        if not isinstance(part.get(key), str):
-            raise ProtocolError(f"{where}.{key} must be a string", param=f"{where}.{key}")
-        parts.append({"type": ptype, key: part[key]})
+        parts.append({"type": ptype, key: text_field(part.get(key), f"{where}.{key}")})
+
     item_id = value.get("id") or new_id("item")
     if not isinstance(item_id, str) or len(item_id) > 64:
         raise ProtocolError("item.id must be a string of at most 64 characters", param="item.id")
-    return Item(item_id, role, parts)
+    item = Item(item_id, role, parts)
+    text_field(item.text, "item.content")  # its parts together, as the model is given them
+    return item
 
 
 class Conversation:
@@ -135,6 +138,17 @@ class Conversation:
         del self._items[item.id]
         return item
 
-    def history(self) -> list[tuple[str, str]]:
-        """(role, text) of every item that says something, for the reasoning stage."""
-        return [(i.role, i.text) for i in self._items.values() if i.text]
+    def history(self, max_bytes: int = HISTORY_BYTES) -> list[tuple[str, str]]:
+        """(role, text) of the items that say something, for the reasoning stage: the newest
+        that fit in `max_bytes` of UTF-8 (one ring record; the stage fits them to the
+        model's context in tokens)."""
+        kept: list[tuple[str, str]] = []
+        size = 0
+        for item in reversed(self._items.values()):
+            if not (text := item.text):
+                continue
+            size += len(text.encode("utf-8")) + 16  # and the record's framing of a message
+            if size > max_bytes:
+                break
+            kept.append((item.role, text))
+        return kept[::-1]

@@ -23,6 +23,10 @@ OUTPUT_RATE = 24_000
 MAX_OUTPUT_TOKENS = 4096
 OPUS = "audio/opus"
 OPUS_RATE = 24_000  # what the agent's audio/opus is coded at
+# one text a client gives (instructions, an item's text): it travels to the reasoning stage in
+# one ring record (512 KiB), beside the history; longer than any prompt a voice agent needs
+MAX_TEXT_BYTES = 128 * 1024
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 
 
 class ProtocolError(ValueError):
@@ -152,9 +156,37 @@ def _max_tokens(value: Any, param: str) -> int | str:
     return value
 
 
-def _instructions(value: Any, param: str) -> str:
+def text_field(value: Any, param: str) -> str:
+    """A client's text, at most MAX_TEXT_BYTES of UTF-8."""
     if not isinstance(value, str):
         raise ProtocolError(f"{param} must be a string", param=param)
+    if len(value) > MAX_TEXT_BYTES // 4 and len(value.encode("utf-8")) > MAX_TEXT_BYTES:
+        raise ProtocolError(
+            f"{param} is longer than {MAX_TEXT_BYTES // 1024} KiB of UTF-8",
+            param=param,
+            code="text_too_long",
+        )
+    return value
+
+
+def _metadata(value: Any) -> dict[str, Any]:
+    value = _mapping(value, "response.metadata")
+    if len(value) > METADATA_KEYS:
+        raise ProtocolError(
+            f"response.metadata has more than {METADATA_KEYS} keys", param="response.metadata"
+        )
+    for key, item in value.items():
+        param = f"response.metadata.{key[:METADATA_KEY_CHARS]}"
+        if len(key) > METADATA_KEY_CHARS:
+            raise ProtocolError(
+                f"response.metadata keys are at most {METADATA_KEY_CHARS} characters", param=param
+            )
+        if not isinstance(item, str) or len(item) > METADATA_VALUE_CHARS:
+            raise ProtocolError(
+                f"response.metadata values are strings of at most {METADATA_VALUE_CHARS} "
+                "characters",
+                param=param,
+            )
     return value
 
 
@@ -223,7 +255,7 @@ class SessionConfig:
                 raise ProtocolError(f"{param}.model must be a string", param=f"{param}.model")
             new.model = update["model"]
         if "instructions" in update:
-            new.instructions = _instructions(update["instructions"], f"{param}.instructions")
+            new.instructions = text_field(update["instructions"], f"{param}.instructions")
         if "output_modalities" in update:
             new.output_modalities = _modalities(
                 update["output_modalities"], f"{param}.output_modalities"
@@ -359,14 +391,14 @@ def parse_response_create(value: Any, session: SessionConfig) -> ResponseParams:
         session.updated({"audio": {"output": audio.get("output", {})}}, "response")
     metadata = value.get("metadata")
     if metadata is not None:
-        metadata = _mapping(metadata, "response.metadata")
+        metadata = _metadata(metadata)
     tokens = value.get("max_output_tokens")
     if tokens is not None:
         tokens = _max_tokens(tokens, "response.max_output_tokens")
     modalities = value.get("output_modalities")
     return ResponseParams(
         instructions=(
-            _instructions(value["instructions"], "response.instructions")
+            text_field(value["instructions"], "response.instructions")
             if "instructions" in value
             else None
         ),

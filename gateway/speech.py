@@ -4,7 +4,6 @@ streamed as it is synthesized (PCM16 mono 24 kHz raw, or in a WAV container)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 from typing import Any
 
@@ -57,7 +56,7 @@ def parse_request(data: Any, voice: str) -> dict[str, Any]:
             f"voice={wanted!r}", f"this gateway's vocoder speaks with voice {voice!r}"
         )
     fmt = data.get("response_format", "pcm")
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise unsupported(f"response_format={fmt!r}", "the formats are 'pcm' and 'wav'")
     if data.get("speed", 1.0) != 1.0:
         raise unsupported("speed", "the vocoder speaks at speed 1.0")
@@ -136,10 +135,3 @@ async def respond(
             await response.write(chunk.astype("<i2").tobytes())
     await response.write_eof()
     return response
-
-
-def body_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"invalid JSON: {exc}", code="invalid_json") from None

@@ -4,11 +4,11 @@ takes the session down."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.conversation import item_from_client
+from gateway.json_input import parse_json
 from gateway.protocol import ProtocolError, parse_response_create
 from gateway.session import stop
 
@@ -27,9 +27,9 @@ def dispatch(session: RealtimeSession, message: Any) -> None:
         out.error("events must be JSON text of at most 16 MiB", code="invalid_event")
         return
     try:
-        data = json.loads(message)
-    except json.JSONDecodeError as exc:
-        out.error(f"invalid JSON: {exc}", code="invalid_json")
+        data = parse_json(message, "the event")
+    except ProtocolError as exc:
+        out.error(str(exc), code=exc.code)
         return
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
         out.error("an event is a JSON object with a string 'type'", code="invalid_event")
@@ -145,7 +145,7 @@ def item_truncate(session: RealtimeSession, data: dict[str, Any], event_id: str 
 
 def response_create(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
     params = parse_response_create(data.get("response"), session.config)
-    if session.reply is not None and session.reply.in_progress:
+    if session.replies.active() or session.deferred_create is not None:
         raise ProtocolError(
             "a response is in progress: cancel it first, or wait for response.done",
             code="conversation_already_has_active_response",
