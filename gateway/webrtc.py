@@ -105,6 +105,9 @@ class WebRTCTransport:
             reply.playback_start = self.playout.played_samples + self.playout.queued_samples
         self.playout.enqueue(self.upsampler.convert(pcm))
 
+    def audio_end(self, reply: Reply) -> None:
+        """Its tail goes out with `finish`: audio here is media, not events."""
+
     def finish(self, reply: Reply) -> None:
         self.playout.enqueue(self.upsampler.flush(), mark=("done", reply.response_id))
 

@@ -68,8 +68,10 @@ class WebSocketTransport:
         for payload in payloads:
             self.session.outbox.output_audio_delta(reply, base64.b64encode(payload).decode())
 
-    def finish(self, reply: Reply) -> None:
+    def audio_end(self, reply: Reply) -> None:
         self._delta(reply, self.resampler.flush(), last=True)
+
+    def finish(self, reply: Reply) -> None:
         assert reply.response_id is not None
         self.session.playback_done(reply.response_id)  # the client holds the rest
 

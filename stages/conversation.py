@@ -1,11 +1,14 @@
 """The reasoning stage's copy of a conversation, as the chat messages the model is prompted with.
 
 It appends the caller's transcripts and its own replies itself; a client's edits replace it
-whole (History), and a reply cut short is kept as far as the caller heard it.
+whole (History), and a reply cut short is kept as far as the caller heard it. Before each
+reply it is fitted to the model's context in tokens, oldest messages dropped first, so that a
+long call never fails a turn (`fit`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stages.messages import History
@@ -41,6 +44,39 @@ class Conversation:
         self.messages = []
         for m in history.messages:
             self.add(m.role, m.text)
+
+    def fit(
+        self,
+        instructions: str | None,
+        count_tokens: Callable[[list[dict[str, str]]], int],
+        budget: int,
+    ) -> int:
+        """Drop the oldest messages until the prompt is at most `budget` tokens (as
+        `count_tokens` counts a prompt, template included); the last message left too long
+        keeps its end. Counts only when the prompt's UTF-8 size says it may not fit (a token
+        is at least a byte). Returns how many messages were dropped."""
+        prompt = self.prompt(instructions)
+        if sum(len(m["content"].encode("utf-8")) + 8 for m in prompt) <= budget:
+            return 0
+        dropped = 0
+        tokens = count_tokens(prompt)
+        while tokens > budget and len(self.messages) > 1:
+            # drop about as many as the excess needs (by their share of the text), then count
+            excess = (tokens - budget) / tokens
+            text = sum(len(m["content"]) + 8 for m in prompt)
+            share = 0
+            while self.messages and len(self.messages) > 1 and share < excess * text:
+                share += len(self.messages.pop(0)["content"]) + 8
+                dropped += 1
+            prompt = self.prompt(instructions)
+            tokens = count_tokens(prompt)
+        if tokens > budget and self.messages:  # one message longer than the context
+            last = self.messages[-1]
+            while tokens > budget and last["content"]:
+                keep = int(len(last["content"]) * budget / tokens * 0.9)
+                last["content"] = last["content"][len(last["content"]) - keep :]
+                tokens = count_tokens(self.prompt(instructions))
+        return dropped
 
     def prompt(self, instructions: str | None = None) -> list[dict[str, str]]:
         system = {"role": "system", "content": instructions or self.system_prompt}

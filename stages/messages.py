@@ -219,6 +219,11 @@ class Error(Msg):
     message: str
 
 
+# Error.code of the supervisor's word that a stage died and was purged of the session: nothing
+# more of what that stage was making for it will come
+STAGE_RESTARTED = "stage_restarted"
+
+
 SCHEMAS: dict[Kind, type[Msg]] = {
     Kind.SPEECH_STARTED: SpeechStarted,
     Kind.SPEECH_STOPPED: SpeechStopped,

@@ -416,6 +416,11 @@ class ReasoningStage(Stage):
         held = response.held is not None and response.held.holding
         self._emit(session, response, "vocoder", msgspec.structs.replace(started, held=held))
         self._emit(session, response, GATEWAY, started)
+        budget = self.engine.prompt_budget(options.max_output_tokens)
+        if dropped := state.conversation.fit(
+            options.instructions, self.engine.prompt_tokens, budget
+        ):
+            logger.info("session %d: %d oldest messages out, to fit the context", session, dropped)
         prompt = state.conversation.prompt(options.instructions)
         sampling = (
             {"max_tokens": options.max_output_tokens}

@@ -20,7 +20,7 @@ from typing import Any
 
 from shm import reap_stale
 from stages.config import PipelineConfig
-from stages.messages import Error, SessionClose
+from stages.messages import STAGE_RESTARTED, Error, SessionClose
 from stages.mps import MpsDaemon, thread_share_env
 from stages.placement import StagePlacement, plan, wants_gpus
 from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet, role_of
@@ -269,7 +269,7 @@ class Supervisor:
             control.cancel(session)
             gateway = self.names.instance_for(GATEWAY, session)
             to_gateway = Outbox(self.rings.rings[(stage, gateway)], stage, gateway)
-            to_gateway.send(session, Error(role, "stage_restarted", message), timeout=1.0)
+            to_gateway.send(session, Error(role, STAGE_RESTARTED, message), timeout=1.0)
 
     def release_gateway_sessions(self, instance: str, pid: int, reason: str) -> list[int]:
         """Gateway process `instance` (pid `pid`) died: close each session it held in every

@@ -46,6 +46,7 @@ from gateway.session.turns import CallerTurns
 from stages.envelope import Envelope
 from stages.link import PipelineLink
 from stages.messages import (
+    STAGE_RESTARTED,
     AudioDone,
     CancelAck,
     Error,
@@ -136,6 +137,7 @@ class RealtimeSession:
         )
         self.cancels = Cancels(link, session, self.outbox, metrics)
         self.deferred_create: tuple[ResponseParams, str | None] | None = None
+        self._history_due = False  # edits not yet sent to the reasoning stage (sync_history)
         self.closed = asyncio.Event()
         self.close_reason: str | None = None  # why it ended, once it has
         self.frame_arrivals: collections.deque[float] = collections.deque(maxlen=3000)
@@ -183,7 +185,21 @@ class RealtimeSession:
         )
 
     def sync_history(self) -> None:
-        self.link.set_history(self.session, self.items.history())
+        """The client edited the conversation: the reasoning stage gets the whole history
+        once the edits of this turn of the event loop are in (a burst of a thousand edits is
+        one record, not a thousand ever longer ones), and before any reply is asked for."""
+        if self._history_due:
+            return
+        self._history_due = True
+        try:
+            asyncio.get_running_loop().call_soon(self.flush_history)
+        except RuntimeError:  # no loop running (a unit test driving the session by hand)
+            self.flush_history()
+
+    def flush_history(self) -> None:
+        if self._history_due and not self.closed.is_set():
+            self._history_due = False
+            self.link.set_history(self.session, self.items.history())
 
     # -- caller audio ----------------------------------------------------------------------
 
@@ -335,6 +351,7 @@ class RealtimeSession:
         """Answer the words that interrupted the agent (reasoning was not sent them)."""
         response_id = ev.new_id("resp")
         self.replies.ask(response_id, None)
+        self.flush_history()
         self.link.create_response(self.session, response_id, text=text)
 
     # -- idle_timeout_ms ---------------------------------------------------------------------
@@ -374,6 +391,7 @@ class RealtimeSession:
         stop.cut(self.replies, self.cancels, "superseded", self.log)
         response_id = ev.new_id("resp")
         self.replies.ask(response_id, params.metadata)
+        self.flush_history()
         self.link.create_response(
             self.session,
             response_id,
@@ -423,9 +441,17 @@ class RealtimeSession:
                 self.cancels.acked(msg.cancel_id, msg.stage, msg.t_ns, msg.kv_usage)
             case Error():
                 self.metrics.stage_errors.labels(msg.stage).inc()
-                self.outbox.error(
-                    f"{msg.stage}: {msg.message}", code=msg.code, type_="server_error"
-                )
+                message = f"{msg.stage}: {msg.message}"
+                self.outbox.error(message, code=msg.code, type_="server_error")
+                if msg.code == STAGE_RESTARTED:
+                    self._stage_lost({"type": "server_error", "code": msg.code, "message": message})
+
+    def _stage_lost(self, error: dict[str, Any]) -> None:
+        """A stage died under the session and was purged of it: its replies end failed, and
+        the turns it was transcribing end with nothing heard."""
+        self.paused = None
+        stop.lost(self.replies, error, self.log)
+        self.turns.lost_transcripts()
 
     def _ahead_of_start(self, env: Envelope, response_id: str | None) -> bool:
         """Keep a vocoder record whose reply has not started here yet; True when kept."""

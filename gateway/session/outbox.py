@@ -24,6 +24,10 @@ class Transport(Protocol):
     def play(self, reply: Reply, pcm: np.ndarray) -> None:
         """Agent audio at the vocoder's rate, as it is synthesized."""
 
+    def audio_end(self, reply: Reply) -> None:
+        """The reply's last audio came: pass on what a coder still holds of it now, before
+        `response.output_audio.done` (nothing of a reply may follow its end)."""
+
     def finish(self, reply: Reply) -> None:
         """All of the reply's audio was handed over; call `session.playback_done(id)` once
         the client has (or will have) played it."""

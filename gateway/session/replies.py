@@ -51,6 +51,14 @@ class Replies:
         current = self.current
         return current if current is not None and current.response_id == response_id else None
 
+    def active(self) -> bool:
+        """A reply is asked for or being made: one at a time (a reply still playing, all of
+        it made, does not count: a new one supersedes it)."""
+        current = self.current
+        return bool(
+            self.created or self.turn_asked or (current is not None and current.in_progress)
+        )
+
     # -- asked ---------------------------------------------------------------------------------
 
     def ask_for_turn(self) -> None:
@@ -117,6 +125,10 @@ class Replies:
         self._generated(reply, status)
 
     def audio_done(self, reply: Reply) -> None:
+        if reply.state is not ReplyState.STARTED:
+            return  # it failed already: its response.done is out
+        if (transport := self.outbox.transport) is not None:
+            transport.audio_end(reply)
         self.outbox.output_audio_done(reply)
         reply.audio_done = True
         if reply.text_done:
@@ -148,6 +160,8 @@ class Replies:
         reply, transport = self.current, self.outbox.transport
         if reply is None or not reply.audio or transport is None:
             return  # a reply that was cut: its stragglers are dropped
+        if reply.state is not ReplyState.STARTED:
+            return  # it failed, and its response.done is out: nothing of it may follow
         assert reply.response_id is not None
         if not self.voice_ahead.owns(reply.response_id):
             return  # the rest of a reply this one superseded

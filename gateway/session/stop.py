@@ -13,7 +13,8 @@ they heard. Whether it also cancels decides whether the stages are purged:
 - `cancel_asked`: a reply a turn asked for and that has not started is cancelled before it can
   start over the caller (the client never heard of it).
 
-`barge_in` is what speech onset does with them.
+`barge_in` is what speech onset does with them. `lost`: a stage died under the session, and
+the supervisor purged it already; its replies end failed.
 """
 
 from __future__ import annotations
@@ -158,6 +159,23 @@ def barge_in(
         cancel_asked(replies, cancels, "barge_in", log)
 
 
+def lost(replies: Replies, error: dict[str, Any], log: logging.LoggerAdapter[Any]) -> None:
+    """A stage died and was purged of the session (by the supervisor, stages.supervisor):
+    nothing more of its replies will come. The one the caller hears stops and ends failed,
+    the ones asked and not started are forgotten (the client has the `error`), so that the
+    next response.create is taken."""
+    for response_id in list(replies.created):
+        replies.created.pop(response_id).move(ReplyState.CUT)
+    replies.forget_asked()
+    replies.voice_ahead.clear()
+    silenced = _silence(replies, None)
+    if silenced is not None:
+        reply, heard_samples = silenced
+        heard = replies.heard_text(reply, heard_samples)
+        details = {"type": "failed", "error": error}
+        _tell_client(replies, reply, "stage_lost", heard, heard_samples, log, details)
+
+
 def _silence(replies: Replies, heard_samples: int | None) -> tuple[Reply, int] | None:
     """Drop the current reply's queued audio; the reply and how much of it the caller heard,
     or None if there is none playing."""
@@ -179,9 +197,11 @@ def _tell_client(
     heard: str,
     heard_samples: int,
     log: logging.LoggerAdapter[Any],
+    failed: dict[str, Any] | None = None,
 ) -> None:
     """The client's events for a reply cut after `heard_samples`: the cleared playback, the
-    item truncated to what was heard, and the reply's end if it was still being made."""
+    item truncated to what was heard, and the reply's end if it was still being made
+    (cancelled, or with `failed`'s details, failed)."""
     assert reply.item is not None and replies.outbox.transport is not None
     if reason == "barge_in":
         replies.metrics.barge_ins.inc()
@@ -192,8 +212,12 @@ def _tell_client(
         replies.outbox.item_truncated(reply.item.id, heard_samples * 1000 // replies.vocoder_rate)
     if reply.in_progress:
         reply.item.status = "incomplete"
-        # barge_in, or superseded: the stages started the reply to the caller's newer turn
-        by = "client_cancelled" if reason.startswith("client") else "turn_detected"
-        replies.outbox.response_done(reply, "cancelled", {"type": "cancelled", "reason": by})
+        if failed is not None:
+            replies.outbox.response_done(reply, "failed", failed)
+        else:
+            # barge_in, or superseded: the stages started the reply to the caller's newer turn
+            by = "client_cancelled" if reason.startswith("client") else "turn_detected"
+            details = {"type": "cancelled", "reason": by}
+            replies.outbox.response_done(reply, "cancelled", details)
     reply.move(ReplyState.CUT)
     log.info("reply %s cut (%s); caller heard %r", reply.response_id, reason, heard)

@@ -381,6 +381,11 @@ class CallerTurns:
             self.outbox.item_done(item)
         self.listener.transcribed(turn_id, text)
 
+    def lost_transcripts(self) -> None:
+        """The encoder was restarted: the turns it was transcribing end as heard empty."""
+        for turn_id in sorted(self.transcribing):
+            self.transcript(turn_id, "", final=True)
+
     def _transcription(self, name: str, item_id: str, **fields: str) -> None:
         if self.config.transcription is not None:
             self.outbox.transcription(name, item_id, **fields)

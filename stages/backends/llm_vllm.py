@@ -193,6 +193,7 @@ class ReasoningEngine:
         self._sampling = dict(sampling)
         self._default_params = build_sampling_params(self._sampling)
         self._kv = kv_monitor
+        self._tokenizer: Any = None  # the model's, for counting prompts (made on first use)
         # vLLM's sockets: removed at shutdown, or at the next start in this machine if the
         # process was killed
         self.socket_dir = socket_dir
@@ -295,6 +296,25 @@ class ReasoningEngine:
             raise
         except VllmEngineDeadError as exc:
             raise EngineDeadError(f"vLLM engine on {self.model!r} died: {exc}") from exc
+
+    def prompt_budget(self, max_output_tokens: int | None = None) -> int:
+        """The prompt tokens that leave room in the context for a reply of
+        `max_output_tokens` (or the configured max_tokens; 256 without one)."""
+        if self._llm is None:
+            raise ReasoningEngineError(f"engine on {self.model!r} is shut down")
+        reply = max_output_tokens or self._sampling.get("max_tokens") or 256
+        context = self._llm.model_config.max_model_len
+        return max(1, context - min(int(reply), context // 2))
+
+    def prompt_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """Tokens of ``messages`` as the model is prompted with them (its chat template)."""
+        if self._tokenizer is None:
+            assert self._llm is not None
+            self._tokenizer = self._llm.get_tokenizer()
+        ids = self._tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True
+        )
+        return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
     @property
     def dead(self) -> bool:

@@ -160,6 +160,12 @@ class OneWordEngine:
     async def generate(self, request_id: str, prompt, sampling=None):
         yield "Noon."
 
+    def prompt_budget(self, max_output_tokens=None) -> int:
+        return 1000
+
+    def prompt_tokens(self, messages) -> int:
+        return sum(len(m["content"]) for m in messages)
+
     async def abort(self, request_id: str) -> None:
         return None
 
