@@ -3,9 +3,10 @@ in front of the calls this process carries (gateway.calls)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -13,29 +14,42 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway import events as ev
 from gateway import speech
+from gateway.admission import TooManyCalls
 from gateway.auth import AuthError, Grant
 from gateway.calls import MULTIPROCESS, Gateway
 from gateway.config import OmniConfig
 from gateway.http_errors import openai_error, openai_shaped_errors
 from gateway.json_input import parse_json
 from gateway.protocol import ProtocolError
+from gateway.siblings import client_address
 from gateway.websocket import serve_websocket, websocket_response
 from stages.link import SessionsFull
 from stages.rings import RingNames
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_SDP_BYTES = 64 * 1024
 GATEWAY_KEY = web.AppKey("gateway", "Gateway")
 
 
-async def _read_body(request: web.Request, limit: int = MAX_SDP_BYTES) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    body = await request.content.read(limit + 1)
-    if len(body) > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
-    return body
+async def _read_body(request: web.Request) -> bytes:
+    """The whole body (it may come in many pieces), at most the app's client_max_size (413
+    past it), within gateway.limits.request_timeout_s (408 past it)."""
+    return await _in_time(request, request.read())
+
+
+async def _in_time(request: web.Request, reading: Awaitable[T]) -> T:
+    """A body read, within gateway.limits.request_timeout_s (a client that sends its body
+    slowly, or never, holds a connection otherwise); 408 past it."""
+    timeout = request.app[GATEWAY_KEY].config.gateway.limits.request_timeout_s
+    try:
+        async with asyncio.timeout(timeout):
+            return await reading
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(
+            text=f"the request's body did not come within {timeout:g} s"
+        ) from None
 
 
 def _authorize(request: web.Request, *, allow_ephemeral: bool = True) -> Grant | web.Response:
@@ -66,6 +80,17 @@ def _full(gateway: Gateway, exc: Exception) -> web.Response:
     )
 
 
+def _too_many(gateway: Gateway, exc: TooManyCalls) -> web.Response:
+    gateway.metrics.sessions_refused.inc()
+    return openai_error(
+        429,
+        str(exc),
+        code="rate_limit_exceeded",
+        type_="rate_limit_error",
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )
+
+
 def _refused(exc: ProtocolError) -> web.Response:
     return openai_error(400, str(exc), code=exc.code, param=exc.param)
 
@@ -77,9 +102,11 @@ async def _answer(
     if not gateway.is_ready():
         return _not_ready()
     try:
-        return await gateway.answer(sdp, grant, session)
+        return await gateway.answer(sdp, grant, session, client_address(request))
     except SessionsFull as exc:
         return _full(gateway, exc)
+    except TooManyCalls as exc:
+        return _too_many(gateway, exc)
     except ProtocolError as exc:
         return _refused(exc)
     except ValueError as exc:
@@ -102,7 +129,7 @@ async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None]
     """The `sdp` and optional `session` (JSON) fields of a multipart/form-data offer, the
     shape OpenAI's SDKs send when they configure the session with the call."""
     try:
-        form = await request.post()
+        form = await _in_time(request, request.post())
     except web.HTTPException:
         raise  # a body over the size limit: 413
     except Exception as exc:  # aiohttp's multipart reader fails in many ways on bad bodies
@@ -241,9 +268,13 @@ async def realtime_websocket(request: web.Request) -> web.StreamResponse:
     if not gateway.is_ready():
         return _not_ready()
     try:
-        call = gateway.open_session("sess", grant, request.query.get("model"))
+        call = gateway.open_session(
+            "sess", grant, request.query.get("model"), client_address(request)
+        )
     except SessionsFull as exc:
         return _full(gateway, exc)
+    except TooManyCalls as exc:
+        return _too_many(gateway, exc)
     except ProtocolError as exc:
         return _refused(exc)
     ws = websocket_response()
@@ -252,7 +283,7 @@ async def realtime_websocket(request: web.Request) -> web.StreamResponse:
     except BaseException:
         await call.close("websocket handshake failed")
         raise
-    await serve_websocket(request, call, ws)
+    await serve_websocket(request, call, ws, gateway.config.gateway.limits.first_event_timeout_s)
     return ws
 
 
@@ -367,7 +398,13 @@ def create_app(
 ) -> web.Application:
     """The app of one gateway process; `process`: Gateway's instance, socket_dir and
     signing_key, for a service of several."""
-    app = web.Application(client_max_size=MAX_SDP_BYTES, middlewares=[openai_shaped_errors])
+    app = web.Application(
+        client_max_size=MAX_SDP_BYTES,
+        middlewares=[openai_shaped_errors],
+        # a connection that sends no whole request (half-sent headers, or idle between
+        # requests) is closed after this: aiohttp waits an hour by default
+        handler_args={"keepalive_timeout": config.gateway.limits.request_timeout_s},
+    )
     gateway = Gateway(config, names, vocoder_rate, is_ready, **process)
     gateway.auth.announce(f"http://{config.gateway.host}:{config.gateway.port}")
     app[GATEWAY_KEY] = gateway

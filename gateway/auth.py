@@ -49,6 +49,11 @@ class Grant:
 
     ephemeral: bool
     session: dict[str, Any] | None = None
+    holder: str | None = None  # which key or secret (a digest of it), for per-key limits
+
+
+def _holder(kind: str, key: str) -> str:
+    return f"{kind}:{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Authenticator:
         """`signing_key`: signs client secrets; the gateway processes of one service share
         it (by default a fresh one: secrets from before a restart are refused)."""
         self.enabled = config.enabled
+        self.open_on_network = config.allow_off_on_network
         self.signing_key = signing_key or secrets.token_bytes(32)
         self.default_ttl_s = config.client_secret_ttl_s
         keys = list(config.api_keys)
@@ -85,8 +91,11 @@ class Authenticator:
         if not self.enabled:
             logger.warning(
                 "AUTHENTICATION IS OFF (gateway.auth.enabled: false): anyone who can reach %s "
-                "can open calls. Only for local use.",
+                "can open calls. %s",
                 where,
+                "gateway.auth.allow_off_on_network is true: it is served so on purpose"
+                if self.open_on_network
+                else "Only for local use.",
             )
 
     # -- checking --------------------------------------------------------------------------
@@ -108,12 +117,12 @@ class Authenticator:
             secret = self._unseal(key)
             if secret.expires_at <= time.time():
                 raise AuthError("the client secret has expired", code="expired_api_key")
-            return Grant(ephemeral=True, session=secret.session)
+            return Grant(ephemeral=True, session=secret.session, holder=_holder("secret", key))
         encoded = key.encode()
         # compare against every key, so the time taken says nothing about which matched
         if not any([hmac.compare_digest(encoded, k) for k in self._keys]):
             raise AuthError("incorrect API key provided")
-        return Grant(ephemeral=False)
+        return Grant(ephemeral=False, holder=_holder("key", key))
 
     @staticmethod
     def _presented_key(request: web.Request) -> str | None:

@@ -15,6 +15,7 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
 from gateway import aiortc_tuning
+from gateway.admission import Admission
 from gateway.auth import Authenticator, Grant
 from gateway.config import OmniConfig
 from gateway.loopwatch import LoopWatch, freeze_startup_objects
@@ -71,6 +72,7 @@ class Gateway:
         self.vocoder_rate = vocoder_rate
         self.is_ready = is_ready
         self.auth = Authenticator(config.gateway.auth, signing_key=signing_key)
+        self.admission = Admission(config.gateway.limits)
         self.metrics = GatewayMetrics()
         self.calls: dict[str, RealtimeSession] = {}
         self.by_session: dict[int, RealtimeSession | Utterance] = {}
@@ -173,12 +175,15 @@ class Gateway:
             self.turn_models.check(config, param)
         return config
 
-    def open_session(self, prefix: str, grant: Grant, model: str | None) -> RealtimeSession:
-        """Admit a new Realtime session; raises SessionsFull, or ProtocolError for settings
-        that cannot be used."""
+    def open_session(
+        self, prefix: str, grant: Grant, model: str | None, address: str | None = None
+    ) -> RealtimeSession:
+        """Admit a new Realtime session from `address`; raises SessionsFull, TooManyCalls
+        for a client past its own limits, or ProtocolError for settings that cannot be used."""
         assert self.link is not None
         if len(self.calls) >= self.config.max_calls_per_process:
             raise SessionsFull(f"{len(self.calls)} calls in progress, the configured maximum")
+        holder = self.admission.check(grant, address)
         config = self.session_config()
         if grant.session is not None:
             config.apply(grant.session)
@@ -204,6 +209,7 @@ class Gateway:
             interruptions=gw.interruptions,
         )
         self.calls[call.call_id] = call
+        self.admission.admit(call.call_id, holder)
         self.by_session[session] = call
         self.metrics.sessions.set(len(self.calls))
         if self.watch is not None:
@@ -216,13 +222,19 @@ class Gateway:
         )
 
     async def answer(
-        self, offer_sdp: str, grant: Grant, session: dict[str, Any] | None = None
+        self,
+        offer_sdp: str,
+        grant: Grant,
+        session: dict[str, Any] | None = None,
+        address: str | None = None,
     ) -> tuple[str, str]:
         """Create a call from an SDP offer; (call_id, answer SDP). Raises SessionsFull,
-        ProtocolError for refused settings, or ValueError for an offer that is not usable."""
+        TooManyCalls, ProtocolError for refused settings, or ValueError for an offer that is
+        not usable. A call whose ICE does not connect in gateway.limits.connect_timeout_s is
+        closed."""
         if session is not None:
             self.check_session_config(session)
-        call = self.open_session("rtc", grant, None)
+        call = self.open_session("rtc", grant, None, address)
         if session is not None:
             call.config.apply(session)
         pc = RTCPeerConnection(self._ice_config())
@@ -230,7 +242,9 @@ class Gateway:
         # with libopus, agent audio is played (and coded) at the Opus rate nearest the
         # vocoder's, caller audio decoded straight to what the VAD takes
         playout_rate = opus_rate_for(self.vocoder_rate) if libopus else PLAYOUT_RATE
-        transport = WebRTCTransport(call, pc, playout_rate)
+        transport = WebRTCTransport(
+            call, pc, playout_rate, connect_timeout_s=self.config.gateway.limits.connect_timeout_s
+        )
         call.bind(transport)
         try:
             await pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
@@ -263,6 +277,7 @@ class Gateway:
 
     def _forget(self, call: RealtimeSession) -> None:
         self.calls.pop(call.call_id, None)
+        self.admission.release(call.call_id)
         self.by_session.pop(call.session, None)
         self.metrics.sessions.set(len(self.calls))
 

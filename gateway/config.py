@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,6 +93,51 @@ class AuthConfig(Strict):
     )
     client_secret_ttl_s: int = Field(
         600, ge=10, le=7200, description="lifetime of a client secret when the request names none"
+    )
+    allow_off_on_network: bool = Field(
+        False,
+        description="with auth off, serve on an address other than loopback anyway (refused "
+        "at start otherwise: anyone on the network could call)",
+    )
+
+
+class LimitsConfig(Strict):
+    """Bounds on what one client can hold or start, each process on its own (a service of
+    several gateway processes allows that many times each count)."""
+
+    connect_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=300,
+        description="a WebRTC call whose ICE has not connected this long after its answer is "
+        "closed, and its slot freed",
+    )
+    first_event_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="a WebSocket session that sends no event this long after it opens is "
+        "closed; null: never",
+    )
+    request_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="an HTTP request's headers, and its body, must come within this; an idle "
+        "kept-alive connection is closed after it too",
+    )
+    calls_per_key: int | None = Field(
+        None, ge=1, description="calls one API key may hold at once; null: any number"
+    )
+    calls_per_client_secret: int | None = Field(
+        2, ge=1, description="calls one ek_ client secret may hold at once; null: any number"
+    )
+    calls_per_address: int | None = Field(
+        None, ge=1, description="calls one client address may hold at once; null: any number"
+    )
+    new_calls_per_address_per_minute: int | None = Field(
+        120,
+        ge=1,
+        description="new calls and sessions one client address may open a minute; null: any",
     )
 
 
@@ -198,6 +244,32 @@ class GatewayConfig(Strict):
     )
     interruptions: InterruptionConfig = Field(default_factory=InterruptionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @model_validator(mode="after")
+    def _no_open_door(self) -> GatewayConfig:
+        if (
+            not self.auth.enabled
+            and not self.auth.allow_off_on_network
+            and not is_loopback(self.host)
+        ):
+            raise ValueError(
+                f"gateway.auth.enabled is false and gateway.host is {self.host!r}, which is not "
+                "a loopback address: anyone on the network could call. Turn auth on (with "
+                "gateway.auth.api_keys), serve on 127.0.0.1, or set "
+                "gateway.auth.allow_off_on_network: true on purpose"
+            )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost; a name or 0.0.0.0 is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class OmniConfig(PipelineConfig):

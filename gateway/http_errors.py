@@ -11,6 +11,7 @@ from aiohttp import web
 _CODES = {
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     413: "body_too_large",
     415: "unsupported_media_type",
 }

@@ -27,6 +27,7 @@ from stages.rings import RingNames
 logger = logging.getLogger(__name__)
 
 FORWARDED = "X-Omni-Forwarded-By"
+CLIENT_ADDRESS = "X-Omni-Client-Address"  # set by the sibling that forwards
 _CALL_TAG = re.compile(r"^[a-z]+_g(\d+)_")
 # what a forwarded request needs from the caller's headers, and its answer from the sibling's
 _REQUEST_HEADERS = ("Authorization", "Content-Type")
@@ -47,6 +48,15 @@ def gateway_of_call(call_id: str) -> int | None:
 def socket_path(socket_dir: str | Path, instance: str) -> Path:
     """Where gateway process `instance` takes forwarded requests."""
     return Path(socket_dir) / f"{instance}.sock"
+
+
+def client_address(request: web.Request) -> str | None:
+    """The caller's address: the socket's peer, or for a request a sibling forwarded over
+    its Unix socket, the address that sibling saw (a TCP peer cannot claim one)."""
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    if isinstance(peer, tuple):  # (host, port, ...): TCP
+        return str(peer[0])
+    return request.headers.get(CLIENT_ADDRESS) if FORWARDED in request.headers else None
 
 
 class Siblings:
@@ -94,6 +104,8 @@ class Siblings:
         body = await request.read()
         headers = {h: request.headers[h] for h in _REQUEST_HEADERS if h in request.headers}
         headers[FORWARDED] = self.instance
+        if request.remote:
+            headers[CLIENT_ADDRESS] = request.remote
         client = self._clients.get(instance)
         if client is None:
             connector = aiohttp.UnixConnector(path=str(socket_path(self.socket_dir, instance)))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -25,8 +26,14 @@ class WebRTCTransport:
     kind = "webrtc"
 
     def __init__(
-        self, session: RealtimeSession, pc: RTCPeerConnection, playout_rate: int = PLAYOUT_RATE
+        self,
+        session: RealtimeSession,
+        pc: RTCPeerConnection,
+        playout_rate: int = PLAYOUT_RATE,
+        connect_timeout_s: float | None = None,
     ) -> None:
+        """`connect_timeout_s`: close the call if ICE has not connected this long from now
+        (a peer that took its answer and never came holds a call slot otherwise)."""
         self.session = session
         self.pc = pc
         self.channel: RTCDataChannel | None = None
@@ -44,10 +51,28 @@ class WebRTCTransport:
         pc.on("track", self._attach_track)
         pc.on("datachannel", self._attach_channel)
 
+        connected = asyncio.Event()
+
         @pc.on("connectionstatechange")
         async def _state() -> None:
+            if pc.connectionState == "connected":
+                connected.set()
             if pc.connectionState in ("failed", "closed"):
                 await session.close(f"connection {pc.connectionState}")
+
+        if connect_timeout_s is not None:
+            session.spawn(
+                self._close_unless_connected(connected, connect_timeout_s),
+                f"ice-bound-{session.call_id}",
+            )
+
+    async def _close_unless_connected(self, connected: asyncio.Event, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await connected.wait()
+        except TimeoutError:
+            self.session.log.warning("ICE did not connect in %.0f s: call closed", timeout_s)
+            await self.session.close(f"ICE did not connect within {timeout_s:g} s")
 
     # -- events ----------------------------------------------------------------------------
 

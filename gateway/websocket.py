@@ -22,6 +22,7 @@ from stages.tasks import cancel_and_wait
 
 SUBPROTOCOL = "realtime"
 MAX_QUEUED_EVENTS = 10_000  # a client that stops reading is dropped past this
+FAIR_SHARE_EVENTS = 16  # client events handled in a row before the loop serves other calls
 
 
 class WebSocketTransport:
@@ -102,23 +103,43 @@ class WebSocketTransport:
 
 
 async def serve_websocket(
-    request: web.Request, session: RealtimeSession, ws: web.WebSocketResponse
+    request: web.Request,
+    session: RealtimeSession,
+    ws: web.WebSocketResponse,
+    first_event_timeout_s: float | None = None,
 ) -> None:
-    """Run a prepared WebSocket as `session` until either side closes."""
+    """Run a prepared WebSocket as `session` until either side closes; one that sends no
+    event in `first_event_timeout_s` is closed (it holds a call slot otherwise)."""
     session.bind(WebSocketTransport(session, ws))
     session.start()
+    reason, events = "websocket closed", 0
     try:
-        async for msg in ws:
+        while True:
+            try:
+                msg = await ws.receive(first_event_timeout_s if events == 0 else None)
+            except TimeoutError:
+                session.outbox.error(
+                    f"no event came within {first_event_timeout_s:g} s of the session's start "
+                    "(gateway.limits.first_event_timeout_s): closed",
+                    code="idle_connection",
+                )
+                reason = "no first event"
+                break
             if msg.type is WSMsgType.TEXT:
                 session.on_client_message(msg.data)
             elif msg.type is WSMsgType.BINARY:
                 session.outbox.error(
                     "events are JSON text frames, not binary", code="invalid_event"
                 )
-            elif msg.type is WSMsgType.ERROR:
+            else:  # closing, closed, or an error
                 break
+            events += 1
+            if events % FAIR_SHARE_EVENTS == 0:
+                # a burst already read is handled without a wait between events: let the
+                # other calls on this loop have it now and then
+                await asyncio.sleep(0)
     finally:
-        await session.close("websocket closed")
+        await session.close(reason)
 
 
 def websocket_response() -> web.WebSocketResponse:

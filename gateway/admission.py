@@ -1,0 +1,108 @@
+"""Who may open one more call: bounds per API key, per client secret and per client address
+on the calls held at once, and per address on the rate of new ones (gateway.limits), so that
+one client cannot take the slots every other caller shares. The process-wide bound
+(gateway.max_calls) is the Gateway's own."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.auth import Grant
+from gateway.config import LimitsConfig
+
+ADDRESSES_KEPT = 10_000  # recent addresses whose new-call times are remembered
+WINDOW_S = 60.0
+
+
+class TooManyCalls(RuntimeError):
+    """This client holds, or has opened, as many calls as it may; `retry_after_s`: when
+    asking again may succeed."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What one call counts against."""
+
+    key: str | None  # Grant.holder: a key's or a secret's digest; None with auth off
+    ephemeral: bool
+    address: str | None
+
+
+class Admission:
+    def __init__(self, limits: LimitsConfig, clock: Callable[[], float] = time.monotonic):
+        self.limits = limits
+        self.clock = clock
+        self._held: dict[str, Holder] = {}  # call id -> what it counts against
+        self._by_key: collections.Counter[str] = collections.Counter()
+        self._by_address: collections.Counter[str] = collections.Counter()
+        self._opened: collections.OrderedDict[str, collections.deque[float]] = (
+            collections.OrderedDict()
+        )
+
+    def check(self, grant: Grant, address: str | None) -> Holder:
+        """The holder a new call of `grant` from `address` counts against; raises
+        TooManyCalls past a limit."""
+        limits, holder = self.limits, Holder(grant.holder, grant.ephemeral, address)
+        what, field = ("client secret", "client_secret") if grant.ephemeral else ("API key", "key")
+        key_limit = getattr(limits, f"calls_per_{field}")
+        if (
+            holder.key is not None
+            and key_limit is not None
+            and self._by_key[holder.key] >= key_limit
+        ):
+            raise TooManyCalls(
+                f"this {what} holds {key_limit} calls, its limit "
+                f"(gateway.limits.calls_per_{field})",
+                retry_after_s=5,
+            )
+        if address is None:
+            return holder
+        if (limit := limits.calls_per_address) is not None and self._by_address[address] >= limit:
+            raise TooManyCalls(
+                f"{address} holds {limit} calls, its limit (gateway.limits.calls_per_address)",
+                retry_after_s=5,
+            )
+        if (rate := limits.new_calls_per_address_per_minute) is not None:
+            now = self.clock()
+            opened = self._opened.get(address)
+            if opened is not None:
+                while opened and opened[0] <= now - WINDOW_S:
+                    opened.popleft()
+                if len(opened) >= rate:
+                    raise TooManyCalls(
+                        f"{address} opened {rate} calls in the last minute, its limit "
+                        "(gateway.limits.new_calls_per_address_per_minute)",
+                        retry_after_s=max(1, int(opened[0] + WINDOW_S - now) + 1),
+                    )
+        return holder
+
+    def admit(self, call_id: str, holder: Holder) -> None:
+        """The call is open: it counts until `release`."""
+        self._held[call_id] = holder
+        if holder.key is not None:
+            self._by_key[holder.key] += 1
+        if holder.address is not None:
+            self._by_address[holder.address] += 1
+            if self.limits.new_calls_per_address_per_minute is not None:
+                opened = self._opened.pop(holder.address, None) or collections.deque()
+                opened.append(self.clock())
+                self._opened[holder.address] = opened  # the most recent last
+                while len(self._opened) > ADDRESSES_KEPT:
+                    self._opened.popitem(last=False)
+
+    def release(self, call_id: str) -> None:
+        holder = self._held.pop(call_id, None)
+        if holder is None:
+            return
+        for counter, name in ((self._by_key, holder.key), (self._by_address, holder.address)):
+            if name is not None:
+                counter[name] -= 1
+                if counter[name] <= 0:
+                    del counter[name]
