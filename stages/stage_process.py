@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from stages import placement
+from stages import placement, process_groups
 from stages.config import PipelineConfig
 from stages.rings import RingNames, attach_ends, role_of
 from stages.stage import Stage
@@ -66,19 +66,29 @@ def _stop_without_supervisor(supervisor_pid: int, stop: threading.Event) -> None
     while not stop.wait(PARENT_CHECK_S):
         if os.getppid() != supervisor_pid:
             logger.error("the supervisor (pid %d) is gone; stopping", supervisor_pid)
-            if not _running.is_set():  # still loading: nothing to close cleanly
-                os._exit(1)
-            # the stage's own SIGTERM handler, which also wakes a model loop on asyncio
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            if _running.is_set():
+                # the stage's own SIGTERM handler, which also wakes a model loop on asyncio
+                os.kill(os.getpid(), signal.SIGTERM)
+                if stop.wait(ORPHAN_STOP_S) and _closed.wait(ORPHAN_STOP_S):
+                    return
+                logger.error("not stopped in %.0f s: killing this stage's group", ORPHAN_STOP_S)
+            # still loading (nothing to close cleanly), or stuck closing: end what it started
+            # (vLLM's engine core), then itself
+            process_groups.end_group(os.getpgrp())
+            os._exit(1)
 
 
 #: Set once the model loop runs (before that, a stage without a supervisor exits at once).
 _running = threading.Event()
+#: Set once the stage has closed its models, as it exits.
+_closed = threading.Event()
+ORPHAN_STOP_S = 20.0  # a stage whose supervisor died has this long to close its models
 
 
 def stage_main(spec: StageSpec, conn: Connection) -> None:
     """Entry point of a stage process: load, report ready, run until SIGTERM."""
+    # a group of its own, which vLLM's processes join: ended whole if this one dies
+    process_groups.own_group()
     # before anything can initialise CUDA: this process and its children see only its GPUs
     os.environ.update(spec.env)
     if spec.log_level > logging.DEBUG:
@@ -140,3 +150,4 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
         stop.set()
         if stage is not None:
             stage.close()
+        _closed.set()

@@ -23,6 +23,7 @@ from stages.config import PipelineConfig
 from stages.messages import STAGE_RESTARTED, Error, SessionClose
 from stages.mps import MpsDaemon, thread_share_env
 from stages.placement import StagePlacement, plan, wants_gpus
+from stages.process_groups import StageGroups
 from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet, role_of
 from stages.stage_process import StageSpec, stage_main
 
@@ -96,6 +97,7 @@ class Supervisor:
         self.placements: dict[str, StagePlacement] = {}
         self.mps: MpsDaemon | None = None
         self.on_restart = on_restart
+        self.groups: StageGroups | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -111,6 +113,7 @@ class Supervisor:
                 progress(f"placement: {placement.describe()}")
         if reaped := reap_stale():
             progress(f"reaped {len(reaped)} shared-memory segments left by a dead process")
+        self.groups = StageGroups()  # ends what the stages of a killed supervisor left
         self.rings = RingSet(self.names, self.config)
         try:
             if self.config.gpu_sharing == "mps":
@@ -156,6 +159,8 @@ class Supervisor:
             target=stage_main, args=(spec, child), name=f"omni-{stage.name}", daemon=False
         )
         stage.process.start()
+        assert self.groups is not None and stage.process.pid is not None
+        self.groups.record(stage.process.pid)  # it leads its own group (stage_main)
         child.close()
         stage.conn, stage.ready, stage.info = parent, False, {}
 
@@ -217,6 +222,8 @@ class Supervisor:
     def _restart(self, stage: StageProcess) -> None:
         stage.process.join(1)
         code = stage.process.exitcode
+        assert self.groups is not None
+        self.groups.end(stage.process.pid, stage.name)  # vLLM's engine core, if it outlived it
         stage.ready = False
         logger.error(
             "stage %s (pid %s) died with exit code %s; restarting",
@@ -306,6 +313,9 @@ class Supervisor:
                 if s.conn is not None:
                     s.conn.close()
                     s.conn = None
+            if self.groups is not None:  # what a stage started and did not stop
+                self.groups.close()
+                self.groups = None
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(2)
         if self.rings is not None:
