@@ -420,7 +420,7 @@ class ReasoningStage(Stage):
         if dropped := state.conversation.fit(
             options.instructions, self.engine.prompt_tokens, budget
         ):
-            logger.info("session %d: %d oldest messages out, to fit the context", session, dropped)
+            logger.debug("session %d: %d oldest messages out, to fit the context", session, dropped)
         prompt = state.conversation.prompt(options.instructions)
         sampling = (
             {"max_tokens": options.max_output_tokens}

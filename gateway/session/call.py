@@ -234,7 +234,10 @@ class RealtimeSession:
                 code="invalid_audio",
             )
         pcm = np.frombuffer(raw, dtype="<i2").astype(np.int16)
-        self.feed_audio(self._input_resampler.convert(pcm))
+        # in pieces of a second: the resampler (libswresample) sizes its buffers, kept for
+        # the session's life, to the largest piece it was given
+        for start in range(0, len(pcm), INPUT_RATE):
+            self.feed_audio(self._input_resampler.convert(pcm[start : start + INPUT_RATE]))
 
     @property
     def opus(self) -> PacketCodec:
@@ -493,6 +496,7 @@ class RealtimeSession:
         self.log.info("session closed: %s", reason)
         self.disarm_idle()
         self.replies.current = None
+        self._in_rs = self._opus = None  # coders' native buffers go now, not at a collection
         transport = self.transport
         if transport is not None:
             transport.clear()
