@@ -17,6 +17,7 @@ from gateway import speech
 from gateway.auth import AuthError, Grant
 from gateway.calls import MULTIPROCESS, Gateway
 from gateway.config import OmniConfig
+from gateway.cors import add_cors
 from gateway.protocol import ProtocolError
 from gateway.websocket import serve_websocket, websocket_response
 from stages.link import SessionsFull
@@ -373,6 +374,7 @@ def create_app(
     gateway = Gateway(config, names, vocoder_rate, is_ready, **process)
     gateway.auth.announce(f"http://{config.gateway.host}:{config.gateway.port}")
     app[GATEWAY_KEY] = gateway
+    add_cors(app, config.gateway.cors, openai_error)
     app.cleanup_ctx.append(gateway.lifecycle)
     app.router.add_post("/v1/realtime/calls", realtime_calls)
     app.router.add_delete("/v1/realtime/calls/{call_id}", hang_up)
