@@ -351,6 +351,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
+    try:
+        gateway.scrape_auth.check(request)
+    except AuthError as exc:
+        return openai_error(401, str(exc), code=exc.code)
     gateway.update_ring_metrics()
     if MULTIPROCESS:  # every gateway process's figures, summed
         registry = CollectorRegistry()

@@ -15,7 +15,7 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
 from gateway import aiortc_tuning
-from gateway.auth import Authenticator, Grant
+from gateway.auth import Authenticator, Grant, ScrapeAuth
 from gateway.config import OmniConfig
 from gateway.loopwatch import LoopWatch, freeze_startup_objects
 from gateway.metrics import GatewayMetrics
@@ -71,6 +71,7 @@ class Gateway:
         self.vocoder_rate = vocoder_rate
         self.is_ready = is_ready
         self.auth = Authenticator(config.gateway.auth, signing_key=signing_key)
+        self.scrape_auth = ScrapeAuth(config.gateway.metrics)
         self.metrics = GatewayMetrics()
         self.calls: dict[str, RealtimeSession] = {}
         self.by_session: dict[int, RealtimeSession | Utterance] = {}

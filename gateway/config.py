@@ -129,6 +129,17 @@ class CorsConfig(Strict):
         return origins
 
 
+class MetricsConfig(Strict):
+    """Who may scrape GET /metrics: whoever reaches the port, unless a token is set."""
+
+    token_env: str | None = Field(
+        None,
+        description="environment variable holding a token that scrapes must send as "
+        "'Authorization: Bearer <token>' (Prometheus' `authorization` setting); the gateway "
+        "refuses to start when it is named but unset. Unset: /metrics needs no token",
+    )
+
+
 class GatewayConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -233,6 +244,7 @@ class GatewayConfig(Strict):
     interruptions: InterruptionConfig = Field(default_factory=InterruptionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
 
 class OmniConfig(PipelineConfig):
