@@ -18,6 +18,7 @@ from gateway.admission import TooManyCalls
 from gateway.auth import AuthError, Grant
 from gateway.calls import MULTIPROCESS, Gateway
 from gateway.config import OmniConfig
+from gateway.cors import add_cors
 from gateway.http_errors import openai_error, openai_shaped_errors
 from gateway.json_input import parse_json
 from gateway.protocol import ProtocolError
@@ -379,6 +380,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
+    try:
+        gateway.scrape_auth.check(request)
+    except AuthError as exc:
+        return openai_error(401, str(exc), code=exc.code)
     gateway.update_ring_metrics()
     if MULTIPROCESS:  # every gateway process's figures, summed
         registry = CollectorRegistry()
@@ -408,6 +413,7 @@ def create_app(
     gateway = Gateway(config, names, vocoder_rate, is_ready, **process)
     gateway.auth.announce(f"http://{config.gateway.host}:{config.gateway.port}")
     app[GATEWAY_KEY] = gateway
+    add_cors(app, config.gateway.cors, openai_error)
     app.cleanup_ctx.append(gateway.lifecycle)
     app.router.add_post("/v1/realtime/calls", realtime_calls)
     app.router.add_delete("/v1/realtime/calls/{call_id}", hang_up)

@@ -7,6 +7,9 @@ usable for new sessions until they expire, each carrying the session configurati
 minted with. A secret is its own record, signed (HMAC-SHA256) with a key made at start-up and
 shared by the service's gateway processes: any of them accepts what another minted, nothing is
 stored, and a restart revokes them all.
+
+GET /metrics has a token of its own (ScrapeAuth), apart from the API keys: a scraper holds
+no key that opens calls.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.config import AuthConfig
+from gateway.config import AuthConfig, MetricsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ class Authenticator:
         """The caller's grant; raises AuthError (401) for a missing, wrong or expired key."""
         if not self.enabled:
             return Grant(ephemeral=False)
-        key = self._presented_key(request)
+        key = presented_key(request)
         if key is None:
             raise AuthError(
                 "no API key: send 'Authorization: Bearer <key>' (or, from a browser "
@@ -123,18 +126,6 @@ class Authenticator:
         if not any([hmac.compare_digest(encoded, k) for k in self._keys]):
             raise AuthError("incorrect API key provided")
         return Grant(ephemeral=False, holder=_holder("key", key))
-
-    @staticmethod
-    def _presented_key(request: web.Request) -> str | None:
-        header = request.headers.get("Authorization", "")
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-        for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
-            proto = proto.strip()
-            if proto.startswith(SUBPROTOCOL_PREFIX):
-                return proto[len(SUBPROTOCOL_PREFIX) :]
-        return None
 
     # -- minting ---------------------------------------------------------------------------
 
@@ -163,6 +154,48 @@ class Authenticator:
             zlib.decompress(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
         )
         return ClientSecret(value, int(record["exp"]), record["session"])
+
+
+class ScrapeAuth:
+    """GET /metrics: open, or only for scrapes that send the configured token."""
+
+    def __init__(self, config: MetricsConfig, environ: Mapping[str, str] = os.environ) -> None:
+        self._token: bytes | None = None
+        if config.token_env is not None:
+            token = environ.get(config.token_env, "").strip()
+            if not token:
+                raise ValueError(
+                    f"gateway.metrics.token_env names ${config.token_env}, which is not set: "
+                    "set it to the token scrapes send, or drop token_env to leave /metrics open"
+                )
+            self._token = token.encode()
+
+    def check(self, request: web.Request) -> None:
+        """Raises AuthError (401) for a scrape without the token, or with another."""
+        if self._token is None:
+            return
+        key = presented_key(request)
+        if key is None:
+            raise AuthError(
+                "no token: /metrics needs 'Authorization: Bearer <token>' "
+                "(gateway.metrics.token_env)",
+                code="missing_api_key",
+            )
+        if not hmac.compare_digest(key.encode(), self._token):
+            raise AuthError("incorrect token for /metrics")
+
+
+def presented_key(request: web.Request) -> str | None:
+    """The bearer key of a request, or of a browser WebSocket's subprotocol."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
+        proto = proto.strip()
+        if proto.startswith(SUBPROTOCOL_PREFIX):
+            return proto[len(SUBPROTOCOL_PREFIX) :]
+    return None
 
 
 def _b64(data: bytes) -> str:

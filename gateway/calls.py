@@ -16,7 +16,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 
 from gateway import aiortc_tuning
 from gateway.admission import Admission
-from gateway.auth import Authenticator, Grant
+from gateway.auth import Authenticator, Grant, ScrapeAuth
 from gateway.config import OmniConfig
 from gateway.loopwatch import LoopWatch, freeze_startup_objects
 from gateway.metrics import GatewayMetrics
@@ -73,6 +73,7 @@ class Gateway:
         self.is_ready = is_ready
         self.auth = Authenticator(config.gateway.auth, signing_key=signing_key)
         self.admission = Admission(config.gateway.limits)
+        self.scrape_auth = ScrapeAuth(config.gateway.metrics)
         self.metrics = GatewayMetrics()
         self.calls: dict[str, RealtimeSession] = {}
         self.by_session: dict[int, RealtimeSession | Utterance] = {}

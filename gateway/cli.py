@@ -130,13 +130,15 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def _start(args: argparse.Namespace, config: Any) -> int:
-    from gateway.auth import Authenticator
+    from gateway.auth import Authenticator, ScrapeAuth
     from gateway.opus import opuslib
     from gateway.server import serve
     from stages.supervisor import Supervisor
 
-    # say what is missing before the slow part: no API key with auth on, no libopus
+    # say what is missing before the slow part: no API key with auth on, no metrics token
+    # where one is named, no libopus
     Authenticator(config.gateway.auth)
+    ScrapeAuth(config.gateway.metrics)
     if config.gateway.opus == "opuslib":
         opuslib()
     supervisor = Supervisor(

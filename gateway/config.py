@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from stages.config import PipelineConfig, Strict
 
@@ -141,6 +141,51 @@ class LimitsConfig(Strict):
     )
 
 
+class CorsConfig(Strict):
+    """Pages on other origins that may call the Realtime HTTP endpoints (POST
+    /v1/realtime/calls, its hang-ups, POST /v1/realtime/client_secrets) from a browser:
+    the OpenAI Agents SDK's WebRTC transport served from another site, say. Pages the gateway
+    serves itself (the demo page) need none of this."""
+
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description='origins as browsers send them ("https://app.example.com", '
+        '"http://127.0.0.1:5173"); ["*"]: any origin; []: none',
+    )
+    max_age_s: int = Field(
+        600, ge=0, le=86400, description="how long a browser may reuse a preflight's answer"
+    )
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _valid_origins(cls, origins: list[str]) -> list[str]:
+        if "*" in origins and len(origins) > 1:
+            raise ValueError('"*" allows every origin: list it alone')
+        origins = [o.lower() for o in origins]  # as browsers write them
+        for origin in origins:
+            if origin == "*":
+                continue
+            scheme, sep, host = origin.partition("://")
+            # an origin is scheme://host[:port]; browsers never send a path or a slash after it
+            if not sep or scheme not in ("http", "https") or not host or "/" in host:
+                raise ValueError(
+                    f"{origin!r} is not an origin: write scheme://host[:port], with no path "
+                    "and no trailing slash"
+                )
+        return origins
+
+
+class MetricsConfig(Strict):
+    """Who may scrape GET /metrics: whoever reaches the port, unless a token is set."""
+
+    token_env: str | None = Field(
+        None,
+        description="environment variable holding a token that scrapes must send as "
+        "'Authorization: Bearer <token>' (Prometheus' `authorization` setting); the gateway "
+        "refuses to start when it is named but unset. Unset: /metrics needs no token",
+    )
+
+
 class GatewayConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -245,6 +290,8 @@ class GatewayConfig(Strict):
     interruptions: InterruptionConfig = Field(default_factory=InterruptionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    cors: CorsConfig = Field(default_factory=CorsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _no_open_door(self) -> GatewayConfig:

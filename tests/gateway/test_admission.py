@@ -35,7 +35,7 @@ def test_a_client_secret_holds_at_most_its_calls_and_gets_them_back() -> None:
 def test_an_address_holds_at_most_its_calls() -> None:
     admission = Admission(LimitsConfig(calls_per_address=1, calls_per_client_secret=None))
     admission.admit("c1", admission.check(KEY, "10.0.0.1"))
-    with pytest.raises(TooManyCalls, match="10.0.0.1 holds 1"):
+    with pytest.raises(TooManyCalls, match=r"10\.0\.0\.1 holds 1"):
         admission.check(SECRET, "10.0.0.1")
     admission.check(KEY, "10.0.0.2")
 
