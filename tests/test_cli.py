@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -35,23 +36,43 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
         out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_session(proc.pid)
             proc.communicate()
-    assert_group_gone(proc.pid)
+    assert_session_gone(proc.pid)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def assert_group_gone(pgid: int, wait_s: float = 10) -> None:
-    deadline = time.monotonic() + wait_s
-    while True:
+def in_session(sid: int) -> list[int]:
+    """Live processes of session `sid`: a command started with start_new_session, and all it
+    started (stages lead process groups of their own, in the same session)."""
+    found = []
+    for proc in Path("/proc").iterdir():
         try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
+            stat = (proc / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # state ppid pgrp session ...
+        if proc.name.isdigit() and int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def assert_session_gone(sid: int, wait_s: float = 10) -> None:
+    """Nothing the command (started with start_new_session) started is left running."""
+    deadline = time.monotonic() + wait_s
+    while left := in_session(sid):
         if time.monotonic() > deadline:
-            os.killpg(pgid, signal.SIGKILL)
-            pytest.fail("the command left processes running")
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the command left processes running: {left}")
         time.sleep(0.1)  # polling for exits of processes we do not own
+
+
+def kill_session(sid: int) -> None:
+    for pid in in_session(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def write_config(tmp_path: Path, **changes: object) -> Path:
@@ -205,10 +226,10 @@ def test_start_serves_a_call_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_session(proc.pid)
         proc.stderr.close()
         proc.wait()
-    assert_group_gone(proc.pid)
+    assert_session_gone(proc.pid)
     assert set(shm.list_segments()) == before
 
 
@@ -225,3 +246,55 @@ async def _one_call(base: str) -> str:
             await call.close()
     finally:
         restrict_host_addresses(None)
+
+
+def test_start_killed_outright_under_a_live_reply_leaves_nothing_running(tmp_path: Path) -> None:
+    """SIGKILL of `omni-gateway start` (no handler runs): its stages notice and exit, vLLM's
+    engine core with them; the segments it made are reaped by the next start."""
+    before = set(shm.list_segments())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [*CLI, "start", "--config", str(TINY), "--port", str(port)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        for line in proc.stderr:
+            if "gateway listening" in line:
+                break
+        else:
+            pytest.fail("start never became ready")
+        assert any(
+            "VLLM::EngineCore" in Path(f"/proc/{p}/cmdline").read_text()
+            for p in in_session(proc.pid)
+        )
+        asyncio.run(_reply_started(f"ws://127.0.0.1:{port}/v1/realtime?model=m"))
+        proc.kill()
+        proc.wait(10)
+        killed = time.monotonic()
+        assert_session_gone(proc.pid, wait_s=30)
+        print(f"\nall of start's processes gone {time.monotonic() - killed:.1f} s after SIGKILL")
+    finally:
+        kill_session(proc.pid)
+        proc.stderr.close()
+        proc.wait()
+    left = set(shm.list_segments()) - before
+    assert len(left) == 9  # control + 8 rings: no process could unlink them
+    assert set(shm.reap_stale()) >= left  # what the next start does first
+    assert set(shm.list_segments()) == before
+
+
+async def _reply_started(url: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+        await ws.send_str('{"type": "response.create"}')
+        async with asyncio.timeout(60):
+            async for msg in ws:
+                if '"response.output_audio.delta"' in msg.data:
+                    return

@@ -24,7 +24,7 @@ from gateway.siblings import gateway_of_call
 from loadtest.service import Service
 from tests.gateway.test_call_e2e import speech48k
 from tests.serving import metric
-from tests.test_cli import assert_group_gone, write_config
+from tests.test_cli import assert_session_gone, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -42,7 +42,7 @@ def service(tmp_path: Path) -> Iterator[Service]:
         yield service
     finally:
         service.kill()
-        assert_group_gone(service.proc.pid)  # stages and gateway processes included
+        assert_session_gone(service.proc.pid)  # stages and gateway processes included
     assert set(shm.list_segments()) == before
 
 

@@ -1,11 +1,10 @@
 """The three stages end to end: real processes, real rings, vLLM on the tiny model, pocketsphinx
-and espeak-ng. One supervisor serves the module (vLLM takes ~20 s to start)."""
+and espeak-ng. One supervisor serves the module (vLLM takes ~20 s to start). Stages killed
+under a served gateway are tests/gateway/test_faults.py's."""
 
 from __future__ import annotations
 
 import difflib
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,6 @@ from stages.driver import TurnResult, collect_reply, speak_turn
 from stages.envelope import Envelope
 from stages.link import EventQueues, PipelineLink
 from stages.messages import Kind
-from stages.supervisor import Supervisor
 from tests.stages.stage_events import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -171,82 +169,6 @@ def test_cancel_latency_under_10_concurrent_sessions(
     # (docs/benchmarks.md has the measured runs).
     assert p99 < 150, f"cancel p99 {p99:.1f} ms: the cancel path is stalling"
     assert kv_after and min(kv_after) >= 0.0
-
-
-def test_killed_stage_is_restarted_and_sessions_told(
-    supervisor: Supervisor,
-    link: PipelineLink,
-    events: EventQueues,
-    restarted: threading.Event,
-    make_speech,
-) -> None:
-    session = link.open_session()
-    link.create_response(session, "resp_doomed", text="talk for a while")
-    wait_for(events, session, Kind.AUDIO_OUT)
-    victim = supervisor.stages["vocoder"].process.pid
-    os.kill(victim, signal.SIGKILL)
-    error = None
-    deadline = time.monotonic() + 30
-    while error is None:
-        ev = events.next(session, max(0.01, deadline - time.monotonic()))
-        if ev.kind is Kind.ERROR:
-            error = ev
-    assert error.msg.code == "stage_restarted" and error.msg.stage == "vocoder"
-    assert restarted.wait(60), "vocoder was not restarted"
-    assert supervisor.stages["vocoder"].process.pid != victim
-    assert supervisor.healthy
-    link.close_session(session)
-
-    assert _fresh_turn(link, events, make_speech).audio, "the restarted vocoder spoke"
-
-
-def test_a_dead_vllm_engine_restarts_the_reasoning_stage(
-    supervisor: Supervisor,
-    link: PipelineLink,
-    events: EventQueues,
-    restarted: threading.Event,
-    make_speech,
-) -> None:
-    """vLLM's engine core killed under a live reply: the stage exits rather than failing every
-    later turn, its sessions are told, it is restarted, and nothing of the old one is left."""
-    import psutil
-
-    reasoning = supervisor.stages["reasoning"]
-    restarts = reasoning.restarts
-    stage = psutil.Process(reasoning.process.pid)
-    old = stage.children(recursive=True)
-    (engine_core,) = [p for p in stage.children() if "EngineCore" in " ".join(p.cmdline())]
-    restarted.clear()
-    session = link.open_session()
-    link.create_response(session, "resp_doomed", text="talk for a while")
-    wait_for(events, session, Kind.TEXT_DELTA)
-    engine_core.kill()
-
-    codes: list[str] = []
-    deadline = time.monotonic() + 60
-    while "stage_restarted" not in codes:
-        ev = events.next(session, max(0.01, deadline - time.monotonic()))
-        if ev.kind is Kind.ERROR:
-            assert ev.msg.stage == "reasoning", ev.msg
-            codes.append(ev.msg.code)
-    assert "engine_dead" in codes  # the live reply failed, saying why
-    assert restarted.wait(120), "the reasoning stage was not restarted"
-    assert reasoning.restarts == restarts + 1 and reasoning.process.pid != stage.pid
-    assert supervisor.healthy
-    _, alive = psutil.wait_procs([stage, *old], timeout=30)
-    assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
-    link.close_session(session)
-
-    assert _fresh_turn(link, events, make_speech).reply_text, "the restarted engine answered"
-
-
-def _fresh_turn(link: PipelineLink, events: EventQueues, make_speech) -> TurnResult:
-    """One spoken turn on a session of its own."""
-    session = link.open_session()
-    try:
-        return speak_turn(link, events, session, make_speech(SENTENCE).pcm16)
-    finally:
-        link.close_session(session)
 
 
 def test_audio_after_cancel_keeps_the_new_speech(
