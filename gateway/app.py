@@ -54,9 +54,15 @@ async def _in_time(request: web.Request, reading: Awaitable[T]) -> T:
 
 
 def _authorize(request: web.Request, *, allow_ephemeral: bool = True) -> Grant | web.Response:
+    gateway = request.app[GATEWAY_KEY]
+    address = client_address(request)
     try:
-        return request.app[GATEWAY_KEY].auth.check(request, allow_ephemeral=allow_ephemeral)
+        gateway.admission.check_auth_rate(address)
+        return gateway.auth.check(request, allow_ephemeral=allow_ephemeral)
+    except TooManyCalls as exc:
+        return _too_many(gateway, exc, count=False)
     except AuthError as exc:
+        gateway.admission.auth_failed(address)
         return openai_error(401, str(exc), code=exc.code)
 
 
@@ -81,8 +87,9 @@ def _full(gateway: Gateway, exc: Exception) -> web.Response:
     )
 
 
-def _too_many(gateway: Gateway, exc: TooManyCalls) -> web.Response:
-    gateway.metrics.sessions_refused.inc()
+def _too_many(gateway: Gateway, exc: TooManyCalls, count: bool = True) -> web.Response:
+    if count:  # a refused call (not a throttled key)
+        gateway.metrics.sessions_refused.inc()
     return openai_error(
         429,
         str(exc),

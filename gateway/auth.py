@@ -116,7 +116,10 @@ class Authenticator:
             )
         if key.startswith("ek_"):
             if not allow_ephemeral:
-                raise AuthError("a client secret cannot mint client secrets: use an API key")
+                raise AuthError(
+                    f"a client secret (ek_) opens Realtime calls and sessions only: "
+                    f"{request.path} needs an API key"
+                )
             secret = self._unseal(key)
             if secret.expires_at <= time.time():
                 raise AuthError("the client secret has expired", code="expired_api_key")

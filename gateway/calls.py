@@ -251,14 +251,21 @@ class Gateway:
             await pc.setRemoteDescription(RTCSessionDescription(offer_sdp, "offer"))
             audio = [t for t in pc.getTransceivers() if t.kind == "audio"]
             if not audio:
-                raise ValueError("the offer has no audio media section")
+                raise OfferError("the offer has no audio media section (m=audio)")
             if libopus:
                 for transceiver in audio:
                     aiortc_tuning.decode_at(transceiver.receiver, CALLER_RATE)
             await pc.setLocalDescription(await pc.createAnswer())
-        except Exception as exc:
+        except OfferError as exc:
             await call.close("bad offer")
-            raise ValueError(f"unusable SDP offer: {exc}") from exc
+            raise ValueError(str(exc)) from exc
+        except Exception as exc:  # what aiortc's parser says is for the log, not the client
+            call.log.info("offer refused: %s: %s", type(exc).__name__, exc)
+            await call.close("bad offer")
+            raise ValueError(
+                "the SDP offer cannot be answered: a WebRTC offer has an audio media section "
+                "with ICE credentials (a=ice-ufrag, a=ice-pwd), a DTLS fingerprint and Opus"
+            ) from exc
         call.start()
         return call.call_id, pc.localDescription.sdp
 
@@ -290,6 +297,10 @@ class Gateway:
             self.metrics.ring_bytes_used.labels(name).set(stats["bytes_used"])
             self.metrics.ring_full.labels(name).set(stats["full"])
             self.metrics.ring_skipped.labels(name).set(stats["skipped"])
+
+
+class OfferError(ValueError):
+    """An SDP offer that parses but is not one this gateway can answer; its message says why."""
 
 
 def _logged(step: Callable[[], Any]) -> None:

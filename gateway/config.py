@@ -139,6 +139,13 @@ class LimitsConfig(Strict):
         ge=1,
         description="new calls and sessions one client address may open a minute; null: any",
     )
+    auth_failures_per_address_per_minute: int | None = Field(
+        30,
+        ge=1,
+        description="wrong or missing keys one address may present a minute; past it every "
+        "request of that address gets 429 until the minute is over (keys cannot be guessed "
+        "at speed); null: no bound",
+    )
 
 
 class CorsConfig(Strict):

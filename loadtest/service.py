@@ -4,7 +4,6 @@ its log read as it comes, stopped with Ctrl-C, and by the kernel if whoever star
 from __future__ import annotations
 
 import ctypes
-import os
 import queue
 import re
 import signal
@@ -13,6 +12,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from stages.process_groups import kill_session
 
 ROOT = Path(__file__).parents[1]
 CLI = [sys.executable, "-m", "gateway.cli"]
@@ -98,9 +99,9 @@ class Service:
         return self.proc.wait(timeout)
 
     def kill(self) -> None:
-        """Kill the whole group if it still runs; close the log."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """Kill all it started that still runs (its session: the stages lead process groups
+        of their own); close the log."""
+        kill_session(self.proc.pid)
         self.proc.wait()
         self._reader.join(10)  # the log ends with the process
         assert self.proc.stderr is not None

@@ -31,23 +31,44 @@ def own_group() -> None:
         os.setpgid(0, 0)
 
 
-def members(pgid: int) -> list[int]:
-    """The live processes of group `pgid` that are ours."""
+def _live(field: int, value: int, ours_only: bool) -> list[int]:
+    """Live processes whose stat `field` (2: process group, 3: session) is `value`."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             stat = (proc / "stat").read_bytes()
-            cmdline = (proc / "cmdline").read_bytes()
+            cmdline = (proc / "cmdline").read_bytes() if ours_only else b""
         except OSError:
             continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+        # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses
         fields = stat[stat.rfind(b")") + 2 :].split()
-        ours = any(mark in cmdline or mark in stat for mark in _OURS)
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z" and ours:
+        if len(fields) <= field or int(fields[field]) != value or fields[0] == b"Z":
+            continue
+        if not ours_only or any(mark in cmdline or mark in stat for mark in _OURS):
             found.append(int(proc.name))
     return found
+
+
+def members(pgid: int) -> list[int]:
+    """The live processes of group `pgid` that are ours."""
+    return _live(2, pgid, ours_only=True)
+
+
+def session_members(sid: int) -> list[int]:
+    """Every live process of session `sid`: a command started in a session of its own
+    (start_new_session) and all it started, whichever group each leads."""
+    return _live(3, sid, ours_only=False)
+
+
+def kill_session(sid: int) -> list[int]:
+    """SIGKILL every process of session `sid`; the pids."""
+    left = session_members(sid)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def end_group(pgid: int) -> list[int]:

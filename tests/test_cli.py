@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 import shm
+from stages.process_groups import kill_session, session_members
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -42,37 +42,14 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def in_session(sid: int) -> list[int]:
-    """Live processes of session `sid`: a command started with start_new_session, and all it
-    started (stages lead process groups of their own, in the same session)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text()
-        except (OSError, ValueError):
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # state ppid pgrp session ...
-        if proc.name.isdigit() and int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(proc.name))
-    return found
-
-
 def assert_session_gone(sid: int, wait_s: float = 10) -> None:
     """Nothing the command (started with start_new_session) started is left running."""
     deadline = time.monotonic() + wait_s
-    while left := in_session(sid):
+    while left := session_members(sid):
         if time.monotonic() > deadline:
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_session(sid)
             pytest.fail(f"the command left processes running: {left}")
         time.sleep(0.1)  # polling for exits of processes we do not own
-
-
-def kill_session(sid: int) -> None:
-    for pid in in_session(sid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def write_config(tmp_path: Path, **changes: object) -> Path:
@@ -271,7 +248,7 @@ def test_start_killed_outright_under_a_live_reply_leaves_nothing_running(tmp_pat
             pytest.fail("start never became ready")
         assert any(
             "VLLM::EngineCore" in Path(f"/proc/{p}/cmdline").read_text()
-            for p in in_session(proc.pid)
+            for p in session_members(proc.pid)
         )
         asyncio.run(_reply_started(f"ws://127.0.0.1:{port}/v1/realtime?model=m"))
         proc.kill()

@@ -62,3 +62,17 @@ def test_auth_off_on_a_network_address_is_refused_unless_on_purpose() -> None:
     parse_config({"gateway": {"host": "127.0.0.2", "auth": off}})
     parse_config({"gateway": {"host": "::1", "auth": off}})
     parse_config({"gateway": {"host": "0.0.0.0", "auth": {**off, "allow_off_on_network": True}}})
+
+
+def test_wrong_keys_from_an_address_are_throttled_for_the_minute() -> None:
+    clock = Clock()
+    admission = Admission(LimitsConfig(auth_failures_per_address_per_minute=3), clock)
+    for _ in range(3):
+        admission.check_auth_rate("10.0.0.1")
+        admission.auth_failed("10.0.0.1")
+    with pytest.raises(TooManyCalls, match="wrong or missing keys") as refused:
+        admission.check_auth_rate("10.0.0.1")  # even with the right key, until the minute ends
+    assert refused.value.retry_after_s == 61
+    admission.check_auth_rate("10.0.0.2")
+    clock.now += 61
+    admission.check_auth_rate("10.0.0.1")

@@ -436,3 +436,17 @@ async def test_a_body_that_comes_in_pieces_is_read_whole(base) -> None:
         assert b" 400 " in response and b"invalid_sdp" in response, response
     finally:
         writer.close()
+
+
+async def test_wrong_keys_are_throttled(base) -> None:
+    """Last in the module: it leaves 127.0.0.1 throttled for a minute."""
+    async with aiohttp.ClientSession() as http:
+        url = f"{base}/v1/realtime/client_secrets"
+        statuses = []
+        for i in range(31):
+            async with http.post(url, json={}, headers={"Authorization": f"Bearer sk-{i}"}) as r:
+                statuses.append(r.status)
+        assert statuses == [401] * 30 + [429], statuses
+        async with http.post(url, json={}, headers=AUTH) as r:  # the right key, too
+            assert r.status == 429 and int(r.headers["Retry-After"]) > 1
+            assert "wrong or missing keys" in (await r.json())["error"]["message"]

@@ -156,8 +156,9 @@ def test_bad_items_are_refused_by_name(item, param) -> None:
 
 
 class FakeRequest:
-    def __init__(self, headers: dict[str, str]) -> None:
+    def __init__(self, headers: dict[str, str], path: str = "/v1/audio/speech") -> None:
         self.headers = headers
+        self.path = path
 
 
 def test_keys_secrets_and_expiry(monkeypatch) -> None:
@@ -178,7 +179,7 @@ def test_keys_secrets_and_expiry(monkeypatch) -> None:
     secret = auth.mint({"type": "realtime", "instructions": "pirate"}, ttl_s=10)
     grant = auth.check(FakeRequest({"Authorization": f"Bearer {secret.value}"}))
     assert grant.ephemeral and grant.session == {"type": "realtime", "instructions": "pirate"}
-    with pytest.raises(AuthError, match="cannot mint"):
+    with pytest.raises(AuthError, match="/v1/audio/speech needs an API key"):
         auth.check(FakeRequest({"Authorization": f"Bearer {secret.value}"}), allow_ephemeral=False)
     now[0] += 10
     with pytest.raises(AuthError) as err:
