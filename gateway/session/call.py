@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+MAX_BACKLOG = 1000  # client events kept waiting behind a long append; past it, refused
+
+
 class CallLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """Log lines of one session carry its id and pipeline session, as text and as record
     attributes (`call`, `session`) for structured handlers."""
@@ -142,6 +145,8 @@ class RealtimeSession:
         self.close_reason: str | None = None  # why it ended, once it has
         self.frame_arrivals: collections.deque[float] = collections.deque(maxlen=3000)
         self._in_rs: Upsampler | None = None
+        self._intake: asyncio.Task[None] | None = None  # a long append being taken in
+        self._backlog: collections.deque[Any] = collections.deque()  # events behind it
         self._opus: PacketCodec | None = None
 
     @property
@@ -234,10 +239,13 @@ class RealtimeSession:
                 code="invalid_audio",
             )
         pcm = np.frombuffer(raw, dtype="<i2").astype(np.int16)
-        # in pieces of a second: the resampler (libswresample) sizes its buffers, kept for
-        # the session's life, to the largest piece it was given
-        for start in range(0, len(pcm), INPUT_RATE):
-            self.feed_audio(self._input_resampler.convert(pcm[start : start + INPUT_RATE]))
+        if len(pcm) <= INPUT_RATE:
+            self.feed_audio(self._input_resampler.convert(pcm))
+            return
+        # Longer: a second at a time, the loop served between (15 MiB is minutes of audio,
+        # half a second of VAD work), and the resampler (libswresample) never given more:
+        # it sizes its buffers, kept for the session's life, to the largest piece it had
+        self._intake = self.spawn(self._take_in(pcm), f"intake-{self.call_id}")
 
     @property
     def opus(self) -> PacketCodec:
@@ -481,8 +489,33 @@ class RealtimeSession:
     # -- client events -----------------------------------------------------------------------
 
     def on_client_message(self, message: Any) -> None:
-        """One client event as received (JSON text); every failure becomes an `error` event."""
-        client_events.dispatch(self, message)
+        """One client event as received (JSON text); every failure becomes an `error` event.
+        While a long append is being taken in, later events wait for it, in order."""
+        if self._intake is None:
+            client_events.dispatch(self, message)
+        elif len(self._backlog) < MAX_BACKLOG:
+            self._backlog.append(message)
+        else:
+            self.outbox.error(
+                f"more than {MAX_BACKLOG} events came while a long input_audio_buffer.append "
+                "was taken in: this one was dropped",
+                code="too_many_events",
+            )
+
+    @property
+    def taking_in(self) -> bool:
+        """A long append is still being fed to the VAD, a second at a time."""
+        return self._intake is not None
+
+    async def _take_in(self, pcm: np.ndarray) -> None:
+        try:
+            for start in range(0, len(pcm), INPUT_RATE):
+                self.feed_audio(self._input_resampler.convert(pcm[start : start + INPUT_RATE]))
+                await asyncio.sleep(0)  # the other calls on this loop, between seconds
+        finally:
+            self._intake = None
+            while self._backlog and self._intake is None and not self.closed.is_set():
+                client_events.dispatch(self, self._backlog.popleft())
 
     # -- teardown --------------------------------------------------------------------------
 

@@ -7,12 +7,14 @@ session goes on meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from aiortc import RTCPeerConnection
 
@@ -436,6 +438,60 @@ async def test_a_body_that_comes_in_pieces_is_read_whole(base) -> None:
         assert b" 400 " in response and b"invalid_sdp" in response, response
     finally:
         writer.close()
+
+
+class LoopLag:
+    """How late this process's event loop (the gateway's: it is served in this process) wakes
+    a 10 ms timer, at worst, while the block runs."""
+
+    async def __aenter__(self) -> LoopLag:
+        self.worst_ms = 0.0
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + 0.01
+            await asyncio.sleep(0.01)
+            self.worst_ms = max(self.worst_ms, (loop.time() - due) * 1000)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
+
+
+async def test_bursts_and_long_appends_do_not_hold_the_loop(base) -> None:
+    item = {
+        "type": "conversation.item.create",
+        "item": {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "hi"}],
+        },
+    }
+    burst = [json.dumps(item) for _ in range(1000)]
+    pcm = np.random.default_rng(0).standard_normal(24_000 * 150) * 3000  # 150 s, 7 MB
+    append = json.dumps(
+        {
+            "type": "input_audio_buffer.append",
+            "audio": base64.b64encode(pcm.astype("<i2").tobytes()).decode(),
+        }
+    )
+    async with aiohttp.ClientSession() as http:
+        session = await open_session(http, base)
+        async with LoopLag() as items_lag:
+            for raw in burst:
+                await session.ws.send_str(raw)
+            await session.ping()
+        async with LoopLag() as append_lag:
+            await session.ws.send_str(append)
+            await session.ping()  # answered after the append: events keep their order
+        await session.ws.close()
+    print(
+        f"\nloop held at worst {items_lag.worst_ms:.0f} ms by 1,000 item.create, "
+        f"{append_lag.worst_ms:.0f} ms by a 150 s append"
+    )
+    assert items_lag.worst_ms < 250 and append_lag.worst_ms < 250
 
 
 async def test_wrong_keys_are_throttled(base) -> None:

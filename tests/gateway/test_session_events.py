@@ -468,6 +468,8 @@ async def main():
         session.bind(RecordingTransport())
         session.start()
         session.on_client_message(event)
+        while session.taking_in:  # a second of audio a turn of the loop
+            await asyncio.sleep(0)
         await session.close("done")
         kept.append(session)  # held, as a closed session in a reference cycle would be
         if i == 0:
