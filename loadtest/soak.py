@@ -55,11 +55,18 @@ def rss_by_process(root_pid: int, names: dict[int, str]) -> dict[str, float]:
     return out
 
 
-def shm_usage() -> dict[str, float]:
-    """The service's segments in /dev/shm: how many, and MiB resident."""
-    segments = list(Path("/dev/shm").glob("omni-*"))
-    used = sum(s.stat().st_blocks * 512 for s in segments if s.exists())
-    return {"segments": len(segments), "mib": round(used / 2**20, 1)}
+def shm_usage(owner_pid: int) -> dict[str, float]:
+    """The service's segments in /dev/shm (those its supervisor made): how many, and MiB
+    resident (a ring's pages count once they are first written)."""
+    import shm
+
+    used, count = 0, 0
+    for name in shm.list_segments():
+        with contextlib.suppress(FileNotFoundError):
+            if shm.owner_of(name)[1] == owner_pid:
+                count += 1
+                used += Path("/dev/shm", name.lstrip("/")).stat().st_blocks * 512
+    return {"segments": count, "mib": round(used / 2**20, 1)}
 
 
 class Talker:
@@ -167,7 +174,7 @@ def main() -> None:
                     "turns": sum(t.turns for t in talkers),
                     "failed": sum(len(t.failed) for t in talkers),
                     "rss_mib": rss_by_process(service.proc.pid, names),
-                    "shm": shm_usage(),
+                    "shm": shm_usage(service.proc.pid),
                 }
                 samples.append(reading)
                 log(
