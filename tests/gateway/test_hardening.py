@@ -1,8 +1,8 @@
-"""The served gateway under bad input, bursts, long calls and clients that hold on without
-using what they hold, against the real stages (pocketsphinx, vLLM on the tiny model with a
-1,024-token context, espeak-ng) with API keys on. Every bad input gets a 4xx or an `error`
-event that names it, never a 5xx, an internal error or a dropped connection, and a second
-session goes on meanwhile."""
+"""The served gateway under bad input, bursts, long calls, clients that hold on without using
+what they hold, and stage processes killed under a live reply, against the real stages
+(pocketsphinx, vLLM on the tiny model with a 1,024-token context, espeak-ng) with API keys
+on. Every bad input gets a 4xx or an `error` event that names it, never a 5xx, an internal
+error or a dropped connection, and a second session goes on meanwhile."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import psutil
 import pytest
 from aiortc import RTCPeerConnection
 
@@ -64,6 +65,9 @@ class Session:
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws = ws
         self.pings = 0
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.ws.send_str(json.dumps(event))
 
     async def next(self, *types: str, timeout: float = 30) -> dict[str, Any]:
         async with asyncio.timeout(timeout):
@@ -484,14 +488,100 @@ async def test_bursts_and_long_appends_do_not_hold_the_loop(base) -> None:
                 await session.ws.send_str(raw)
             await session.ping()
         async with LoopLag() as append_lag:
+            sent = time.monotonic()
             await session.ws.send_str(append)
             await session.ping()  # answered after the append: events keep their order
+            taken_ms = (time.monotonic() - sent) * 1000
         await session.ws.close()
     print(
         f"\nloop held at worst {items_lag.worst_ms:.0f} ms by 1,000 item.create, "
-        f"{append_lag.worst_ms:.0f} ms by a 150 s append"
+        f"{append_lag.worst_ms:.0f} ms by a 150 s append taken in in {taken_ms:.0f} ms"
     )
-    assert items_lag.worst_ms < 250 and append_lag.worst_ms < 250
+    assert items_lag.worst_ms < 250
+    # in one piece the whole intake held the loop; now its JSON and base64 do (the share is
+    # what holds on a loaded machine, where both take longer)
+    assert append_lag.worst_ms < 0.6 * taken_ms
+
+
+# -- faults: each stage process, and vLLM's engine core, SIGKILLed under a live reply ----------
+# The call gets an `error` and a `response.done` that failed, /health says not ready until the
+# stage is back, nothing of the dead process is left running, and the same call's next reply
+# completes. (Killing `omni-gateway start` itself is tests/test_cli.py's.)
+
+LONG_REPLY = {"type": "response.create", "response": {"max_output_tokens": 160}}
+
+
+async def health_until(http: aiohttp.ClientSession, base: str, status: int, within_s: float):
+    """When /health first answers `status`, polling it (a probe, as a load balancer does)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        async with http.get(f"{base}/health") as r:
+            if r.status == status:
+                return time.monotonic()
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+        await asyncio.sleep(0.02)
+
+
+def processes_of(pid: int) -> list[psutil.Process]:
+    stage = psutil.Process(pid)
+    return [stage, *stage.children(recursive=True)]
+
+
+async def kill_under_a_live_reply(server, supervisor, restarted, role: str, victim) -> None:
+    base, _ = server
+    stage = supervisor.stages[role]
+    restarts = stage.restarts
+    async with aiohttp.ClientSession() as http:
+        session = await open_session(http, base)
+        ws = session.ws
+        await session.send(LONG_REPLY)
+        await session.next("response.output_audio.delta")
+        old = processes_of(stage.process.pid)
+        restarted.clear()
+        victim(old).kill()
+        killed = time.monotonic()
+
+        error = (await session.next("error", timeout=60))["error"]
+        assert error["code"] in ("stage_restarted", "engine_dead"), error
+        done = (await session.next("response.done"))["response"]
+        assert done["status"] == "failed", done
+        unready = await health_until(http, base, 503, 10)
+        ready = await health_until(http, base, 200, 120)
+        assert restarted.wait(5) and stage.restarts == restarts + 1
+        _, alive = psutil.wait_procs(old, timeout=30)
+        assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
+
+        # the same call goes on: a spoken reply, start to end
+        await session.send(LONG_REPLY)
+        done = (await session.next("response.done", timeout=120))["response"]
+        assert done["status"] == "completed", done
+        await ws.close()
+    print(
+        f"\n{role}: /health unready {unready - killed:.2f} s after the kill, ready again "
+        f"after {ready - killed:.1f} s"
+    )
+
+
+async def test_the_vocoder_killed(server, supervisor, restarted) -> None:
+    await kill_under_a_live_reply(server, supervisor, restarted, "vocoder", lambda ps: ps[0])
+
+
+async def test_the_encoder_killed(server, supervisor, restarted) -> None:
+    await kill_under_a_live_reply(server, supervisor, restarted, "encoder", lambda ps: ps[0])
+
+
+def engine_core(processes: list[psutil.Process]) -> psutil.Process:
+    (core,) = [p for p in processes[1:] if "EngineCore" in " ".join(p.cmdline())]
+    return core
+
+
+async def test_vllms_engine_core_killed(server, supervisor, restarted) -> None:
+    await kill_under_a_live_reply(server, supervisor, restarted, "reasoning", engine_core)
+
+
+async def test_the_reasoning_stage_killed(server, supervisor, restarted) -> None:
+    """Its engine core and worker outlive it, in its process group: the supervisor ends them."""
+    await kill_under_a_live_reply(server, supervisor, restarted, "reasoning", lambda ps: ps[0])
 
 
 async def test_wrong_keys_are_throttled(base) -> None:
