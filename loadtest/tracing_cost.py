@@ -5,8 +5,9 @@ session on a link that pushes nothing):
    transport (no hook runs per frame either way: only at a turn's edges and a first audio);
 2. per turn and per cancel: a whole turn's records by hand (its end, transcript, start, first
    token, audio, end, played), a cancel and its three acks;
-3. the loop's lateness on a 20 ms tick (the audio's pace) while turns end and their spans are
-   exported to an OTLP/HTTP receiver in another process, against the same without tracing.
+3. the CPU the exporter's thread spends on a span (encoded, sent to an OTLP/HTTP receiver in
+   another process), and the loop's lateness on a 20 ms tick (the audio's pace) while turns
+   end and their spans are exported, against the same without tracing.
 
     python -m loadtest.tracing_cost [--seconds 4]
 
@@ -50,6 +51,7 @@ from stages.rings import STAGES
 
 VOCODER_RATE = 22_050
 AGENT_FRAME = VOCODER_RATE // 50
+SPANS_A_TURN = 6  # turn, vad, encoder, reasoning.first_token, vocoder.first_audio, playout
 
 
 class NoRings:
@@ -248,15 +250,30 @@ async def _lateness(tracing: Tracing | None, seconds: float, turns_per_s: int) -
     }
 
 
-def lateness(seconds: float, turns_per_s: int, rounds: int) -> list[dict]:
+def export_us_per_span(url: str, turns: int = 500) -> float:
+    """The CPU the batch processor's thread spends encoding and sending one span (all of the
+    process's CPU for `turns` turns, exported, less the same with the spans dropped)."""
+    cpu = {}
+    for label, exporter in (("dropped", Discard()), ("sent", None)):
+        tracing = Tracing(TracingConfig(otlp_endpoint=url), exporter=exporter)  # type: ignore[arg-type]
+        session = _session(tracing)
+        t0 = time.process_time_ns()
+        for n in range(turns):
+            turn(session, n)
+        assert tracing.flush(60)
+        cpu[label] = time.process_time_ns() - t0
+        tracing.shutdown()
+    return round((cpu["sent"] - cpu["dropped"]) / (turns * SPANS_A_TURN) / 1000, 2)
+
+
+def lateness(url: str, seconds: float, turns_per_s: int, rounds: int) -> list[dict]:
     """Off and on in turn, `rounds` times each (a busy machine shows in either)."""
     out = []
-    with receiver() as url:
-        for _ in range(rounds):
-            out.append({"tracing": "off", **asyncio.run(_lateness(None, seconds, turns_per_s))})
-            tracing = Tracing(TracingConfig(otlp_endpoint=url))
-            out.append({"tracing": "on", **asyncio.run(_lateness(tracing, seconds, turns_per_s))})
-            tracing.shutdown()
+    for _ in range(rounds):
+        out.append({"tracing": "off", **asyncio.run(_lateness(None, seconds, turns_per_s))})
+        tracing = Tracing(TracingConfig(otlp_endpoint=url))
+        out.append({"tracing": "on", **asyncio.run(_lateness(tracing, seconds, turns_per_s))})
+        tracing.shutdown()
     return out
 
 
@@ -272,7 +289,10 @@ def main() -> None:
     print(f"{'':44} {'off':>9} {'on':>9}")
     for name, row in rows.items():
         print(f"{name:44} {row['off']:9.2f} {row['on']:9.2f}")
-    late = lateness(args.seconds, args.turns_per_s, args.rounds)
+    with receiver() as url:
+        export_us = export_us_per_span(url)
+        late = lateness(url, args.seconds, args.turns_per_s, args.rounds)
+    print(f"{'export, one span (the batch thread), us':44} {'':>9} {export_us:9.2f}")
     for run in late:
         print(
             f"20 ms tick, {run['turns']} turns, tracing {run['tracing']}: late p50 "
@@ -280,7 +300,12 @@ def main() -> None:
         )
     print(
         json.dumps(
-            {"machine": platform.processor() or platform.machine(), "micro": rows, "tick": late}
+            {
+                "machine": platform.processor() or platform.machine(),
+                "micro": rows,
+                "export_us_per_span": export_us,
+                "tick": late,
+            }
         )
     )
 
