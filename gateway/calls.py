@@ -28,6 +28,7 @@ from gateway.session import RealtimeSession
 from gateway.siblings import Siblings, call_id
 from gateway.speech import Utterance
 from gateway.trace import StageTrace
+from gateway.tracing import Tracing
 from gateway.turn_models import TurnModels
 from gateway.webrtc import WebRTCTransport
 from stages.envelope import Envelope
@@ -81,6 +82,7 @@ class Gateway:
         self.siblings: Siblings | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.trace: StageTrace | None = None
+        self.tracing: Tracing | None = None  # OpenTelemetry, when gateway.tracing is on
         self.watch: LoopWatch | None = None
         self.turn_models: TurnModels | None = None
 
@@ -121,6 +123,10 @@ class Gateway:
                 trace_path = Path(self.config.gateway.trace_dir) / f"{self.instance}.trace"
                 self.trace = StageTrace(trace_path)
                 cleanup.callback(_logged, self.trace.close)
+            if self.config.gateway.tracing.otlp_endpoint is not None:
+                self.tracing = Tracing(self.config.gateway.tracing, self.instance)
+                # after the calls are closed (their turns end then): the last spans go out
+                cleanup.push_async_callback(_logged_async, asyncio.to_thread(self.tracing.shutdown))
             self.turn_models = TurnModels(self.config.gateway)
             cleanup.callback(_logged, self.turn_models.close)
             self.link = PipelineLink(self.names, self._on_stage_event, self.instance)
@@ -208,6 +214,7 @@ class Gateway:
             turn_models=models,
             end_of_turn_pause_ms=gw.end_of_turn_pause_ms,
             interruptions=gw.interruptions,
+            tracing=self.tracing,
         )
         self.calls[call.call_id] = call
         self.admission.admit(call.call_id, holder)

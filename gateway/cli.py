@@ -133,12 +133,15 @@ def _start(args: argparse.Namespace, config: Any) -> int:
     from gateway.auth import Authenticator, ScrapeAuth
     from gateway.opus import opuslib
     from gateway.server import serve
+    from gateway.tracing import export_headers
     from stages.supervisor import Supervisor
 
     # say what is missing before the slow part: no API key with auth on, no metrics token
-    # where one is named, no libopus
+    # or tracing headers where they are named, no libopus
     Authenticator(config.gateway.auth)
     ScrapeAuth(config.gateway.metrics)
+    if config.gateway.tracing.otlp_endpoint is not None:
+        export_headers(config.gateway.tracing)
     if config.gateway.opus == "opuslib":
         opuslib()
     supervisor = Supervisor(

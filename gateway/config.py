@@ -193,6 +193,39 @@ class MetricsConfig(Strict):
     )
 
 
+class TracingConfig(Strict):
+    """OpenTelemetry traces of each turn and each cancel, sent over OTLP/HTTP to a collector,
+    Langfuse or Arize Phoenix (gateway.tracing, docs/tracing.md). Off unless `otlp_endpoint`
+    is set; off, nothing of OpenTelemetry is even imported."""
+
+    otlp_endpoint: str | None = Field(
+        None,
+        description="the OTLP/HTTP (protobuf) traces URL, whole: "
+        "http://127.0.0.1:4318/v1/traces for a collector, http://HOST:6006/v1/traces for "
+        "Phoenix, https://HOST/api/public/otel/v1/traces for Langfuse; null: no traces",
+    )
+    service_name: str = Field("omni-gateway", description="the traces' service.name")
+    headers_env: str | None = Field(
+        None,
+        description="environment variable holding the export's headers as k=v,k=v with "
+        "URL-encoded values (OTEL_EXPORTER_OTLP_HEADERS' format), such as Langfuse's "
+        "'Authorization=Basic%20<base64 of pk:sk>': secrets stay out of the YAML. The gateway "
+        "refuses to start when it is named but unset",
+    )
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="the share of turns and cancels traced (by trace id)"
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"{url!r} is not an OTLP/HTTP URL: write http(s)://host:port/v1/traces"
+            )
+        return url
+
+
 class GatewayConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -299,6 +332,7 @@ class GatewayConfig(Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _no_open_door(self) -> GatewayConfig:

@@ -128,6 +128,22 @@ def test_a_bundled_model_not_fetched_names_its_package_before_anything_starts(tm
     assert "starting stages" not in out.stderr  # nothing was started
 
 
+def test_a_tracing_headers_variable_named_but_unset_stops_the_start(tmp_path) -> None:
+    tracing = {"otlp_endpoint": "http://127.0.0.1:4318/v1/traces", "headers_env": "OMNI_NO_SUCH"}
+    config = write_config(tmp_path, gateway__tracing=tracing)
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_NO_SUCH"}
+    out = subprocess.run(
+        [*CLI, "start", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "gateway.tracing.headers_env names $OMNI_NO_SUCH, which is not set" in out.stderr
+    assert "starting stages" not in out.stderr  # nothing was started
+
+
 def test_models_list_says_what_is_here(tmp_path) -> None:
     out = subprocess.run([*CLI, "models", "list"], capture_output=True, text=True, check=True)
     assert "bundled:smollm2-135m-instruct" in out.stdout and "Apache-2.0" in out.stdout

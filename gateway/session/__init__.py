@@ -1,8 +1,9 @@
 """One Realtime session, in parts that depend one way:
 
-reply (a reply's states) <- outbox (the transport and every server event) <- turns (the
-caller's audio and turns) and replies (the agent's reply) <- stop (every way a reply is
-stopped, and the cancels) <- client_events (the client's) <- call (the coordinator).
+reply (a reply's states) and spans (their OpenTelemetry trace) <- outbox (the transport and
+every server event) <- turns (the caller's audio and turns) and replies (the agent's reply)
+<- stop (every way a reply is stopped, and the cancels) <- client_events (the client's) <-
+call (the coordinator).
 """
 
 from gateway.session.call import RealtimeSession

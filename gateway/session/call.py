@@ -41,6 +41,7 @@ from gateway.session.interruption import words_that_count
 from gateway.session.outbox import Outbox, Transport
 from gateway.session.replies import Replies
 from gateway.session.reply import Reply
+from gateway.session.spans import NO_SPANS, SessionSpans
 from gateway.session.stop import Cancels
 from gateway.session.turns import CallerTurns
 from stages.envelope import Envelope
@@ -60,6 +61,7 @@ from stages.messages import (
 from stages.tasks import Tasks
 
 if TYPE_CHECKING:
+    from gateway.tracing import Tracing
     from gateway.turn_models import TurnModels
 
 logger = logging.getLogger(__name__)
@@ -95,13 +97,15 @@ class RealtimeSession:
         turn_models: TurnModels | None = None,
         end_of_turn_pause_ms: int = 200,
         interruptions: InterruptionConfig | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         """`hold_on_voice`: silence the agent from the caller's first voiced frame until the
         VAD decides whether they are talking over it (GatewayConfig.barge_in_hold).
         `prepare_reply_ms`: silence inside a turn after which the stages start on the reply,
         held until the turn ends (GatewayConfig.prepare_reply_ms; 0: off). `turn_models`:
         the process's VAD classifier and end-of-turn model (webrtcvad and no semantic_vad
-        without). `interruptions`: what the caller's voice over the agent does."""
+        without). `interruptions`: what the caller's voice over the agent does. `tracing`: the
+        process's OpenTelemetry traces (gateway.tracing), if on."""
         self.call_id = call_id
         self.link = link
         self.session = session
@@ -116,6 +120,11 @@ class RealtimeSession:
         self.tasks = Tasks()
         self.interruptions = interruptions or InterruptionConfig()
         self.paused: Reply | None = None  # the reply paused under provisional turns
+        self.spans = (
+            SessionSpans(tracing, call_id, session, config, self.outbox, vocoder_rate)
+            if tracing is not None
+            else NO_SPANS
+        )
         td = config.turn_detection
         self.turns = CallerTurns(
             link,
@@ -131,14 +140,20 @@ class RealtimeSession:
             end_of_turn_pause_ms=end_of_turn_pause_ms,
             spawn=self.spawn,
             confirm_ms=self.interruptions.confirm_ms,
+            spans=self.spans,
         )
         self.turn_models = turn_models
         self._idle: asyncio.TimerHandle | None = None  # idle_timeout_ms, armed
         self._idle_from_ms = 0  # the caller's audio clock when it was armed
         self.replies = Replies(
-            self.outbox, self.items, metrics, vocoder_rate, self.turns.take_speech_stopped_ns
+            self.outbox,
+            self.items,
+            metrics,
+            vocoder_rate,
+            self.turns.take_speech_stopped_ns,
+            self.spans,
         )
-        self.cancels = Cancels(link, session, self.outbox, metrics)
+        self.cancels = Cancels(link, session, self.outbox, metrics, self.spans)
         self.deferred_create: tuple[ResponseParams, str | None] | None = None
         self._history_due = False  # edits not yet sent to the reasoning stage (sync_history)
         self.closed = asyncio.Event()
@@ -439,11 +454,13 @@ class RealtimeSession:
                 if not ahead and (reply := replies.current_for(msg.response_id)):
                     replies.audio_done(reply)
             case Transcript():
+                self.spans.transcript(msg, env.t_ns)
                 self.turns.transcript(msg.turn_id, msg.text, msg.final)
             case ResponseStarted():
                 self._response_started(msg, env.t_ns)
             case TextDelta():
                 if reply := replies.current_for(msg.response_id):
+                    self.spans.text_delta(reply, msg, env.t_ns)
                     replies.text_delta(reply, msg.text)
             case ResponseDone():
                 if reply := replies.current_for(msg.response_id):
@@ -528,6 +545,7 @@ class RealtimeSession:
         self.close_reason = reason
         self.log.info("session closed: %s", reason)
         self.disarm_idle()
+        self.spans.close()
         self.replies.current = None
         self._in_rs = self._opus = None  # coders' native buffers go now, not at a collection
         transport = self.transport

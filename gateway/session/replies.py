@@ -16,6 +16,7 @@ from gateway.events import new_id
 from gateway.metrics import GatewayMetrics
 from gateway.session.outbox import Outbox
 from gateway.session.reply import Reply, ReplyState, SpokenTracker, VoiceAhead
+from gateway.session.spans import NO_SPANS, Spans
 
 TRACKERS_KEPT = 32  # recent audio items whose spoken marks conversation.item.truncate may use
 
@@ -30,10 +31,11 @@ class Replies:
         metrics: GatewayMetrics,
         vocoder_rate: int,
         turn_ended_ns: Callable[[], int],
+        spans: Spans = NO_SPANS,
     ) -> None:
         """`turn_ended_ns`: when the caller's last turn ended, once (0 after), for the
-        latency of the first audio that follows."""
-        self.outbox, self.items, self.metrics = outbox, items, metrics
+        latency of the first audio that follows. `spans`: the session's trace."""
+        self.outbox, self.items, self.metrics, self.spans = outbox, items, metrics, spans
         self.vocoder_rate = vocoder_rate
         self._turn_ended_ns = turn_ended_ns
         self.current: Reply | None = None  # started; until played to its end or cut
@@ -70,10 +72,12 @@ class Replies:
         if self.turn_asked is not None:
             self.turn_asked.move(ReplyState.CUT)
             self.turn_asked = None
+            self.spans.unanswered()
 
     def ask(self, response_id: str, metadata: dict[str, Any] | None) -> None:
         """response.create sent to the stages."""
         self.created[response_id] = Reply(response_id, metadata)
+        self.spans.asked(response_id)
 
     # -- started -------------------------------------------------------------------------------
 
@@ -94,6 +98,7 @@ class Replies:
         )
         item = Item(new_id("item"), "assistant", [content], "in_progress")
         reply.start(response_id, item, audio, started_ns)
+        self.spans.reply_started(reply, turn_id)
         self.current = reply
         if audio:
             self.trackers[item.id] = reply.tracker
@@ -140,6 +145,7 @@ class Replies:
             return  # finished already (a failed reply's audio still ended)
         assert reply.item is not None
         reply.move(ReplyState.GENERATED)
+        self.spans.generated(reply, status)
         self.outbox.content_part_done(reply)
         reply.item.status = "completed" if status == "completed" else "incomplete"
         self.outbox.output_item_done(reply)
@@ -175,6 +181,7 @@ class Replies:
             first_ms = (reply.first_audio_ns - reply.started_ns) / 1e6
             self.metrics.time_to_first_audio.observe(first_ms / 1000)
             self.outbox.first_audio(reply, turn_ms, first_ms)
+            self.spans.first_audio(reply)
         transport.play(reply, pcm)
         reply.samples += len(pcm)
 
@@ -183,6 +190,7 @@ class Replies:
         if (reply := self.current_for(response_id)) is not None:
             reply.move(ReplyState.PLAYED)
             self.current = None
+            self.spans.played(reply)
 
     def heard_text(self, reply: Reply, heard_samples: int) -> str:
         """What the caller heard of `reply` after `heard_samples` of its audio."""

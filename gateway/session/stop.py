@@ -29,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.session.outbox import Outbox
 from gateway.session.replies import Replies
 from gateway.session.reply import Reply, ReplyState
+from gateway.session.spans import NO_SPANS, Spans
 from stages.link import PipelineLink
 from stages.rings import STAGES
 
@@ -50,9 +51,15 @@ class Cancels:
     announced to the client (omni.response.cancelled) once every stage has acknowledged."""
 
     def __init__(
-        self, link: PipelineLink, session: int, outbox: Outbox, metrics: GatewayMetrics
+        self,
+        link: PipelineLink,
+        session: int,
+        outbox: Outbox,
+        metrics: GatewayMetrics,
+        spans: Spans = NO_SPANS,
     ) -> None:
         self.link, self.session, self.outbox, self.metrics = link, session, outbox, metrics
+        self.spans = spans
         self.sent: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> ns
         self.pending: dict[int, PendingCancel] = {}
 
@@ -60,6 +67,7 @@ class Cancels:
         """Purge the session in every stage; returns the cancel's id. With `response_id`, the
         acknowledgements are gathered for the client."""
         cancel_id, t = self.link.cancel(self.session, response_id, heard, reason)
+        self.spans.cancel_sent(cancel_id, t, reason, response_id)
         self.sent[cancel_id] = t
         while len(self.sent) > SENT_KEPT:
             self.sent.popitem(last=False)
@@ -68,6 +76,7 @@ class Cancels:
         return cancel_id
 
     def acked(self, cancel_id: int, stage: str, t_ns: int, kv: float | None) -> None:
+        self.spans.cancel_acked(cancel_id, stage, t_ns, kv)
         sent = self.sent.get(cancel_id)
         if sent is not None:
             self.metrics.cancel_latency.labels(stage).observe((t_ns - sent) / 1e9)
@@ -220,4 +229,5 @@ def _tell_client(
             details = {"type": "cancelled", "reason": by}
             replies.outbox.response_done(reply, "cancelled", details)
     reply.move(ReplyState.CUT)
+    replies.spans.cut(reply, reason, heard_samples, failed is not None)
     log.info("reply %s cut (%s); caller heard %r", reply.response_id, reason, heard)

@@ -23,6 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import ProtocolError, SessionConfig, TurnDetection
 from gateway.resample import CALLER_RATE
 from gateway.session.outbox import Outbox
+from gateway.session.spans import NO_SPANS, Spans
 from gateway.vad import (
     FRAME_MS,
     SpeechPaused,
@@ -88,7 +89,7 @@ class CallerTurns:
     stages start on the reply (gateway.prepare_reply_ms; 0: off). `end_of_turn`: the model
     semantic_vad asks, after `end_of_turn_pause_ms` of silence; `spawn` runs its question
     as one of the session's tasks. `confirm_ms`: voiced time that makes a provisional turn
-    an interruption."""
+    an interruption. `spans`: the session's trace (gateway.session.spans)."""
 
     def __init__(
         self,
@@ -106,11 +107,12 @@ class CallerTurns:
         end_of_turn_pause_ms: int = 200,
         spawn: Callable[[Coroutine[Any, Any, None], str], Any] | None = None,
         confirm_ms: int = 1000,
+        spans: Spans = NO_SPANS,
     ) -> None:
         self.link, self.session, self.config = link, session, config
         self.outbox, self.items, self.listener, self.metrics = outbox, items, listener, metrics
         self.end_of_turn, self.end_of_turn_pause_ms = end_of_turn, end_of_turn_pause_ms
-        self.spawn, self.confirm_ms = spawn, confirm_ms
+        self.spawn, self.confirm_ms, self.spans = spawn, confirm_ms, spans
         td = config.turn_detection or TurnDetection()
         self.vad = TurnDetector(
             td.threshold,
@@ -244,6 +246,7 @@ class CallerTurns:
         """A new turn: the stages are told, and its user item named."""
         self.turn_id += 1
         self.turn_items[self.turn_id] = item_id or ev.new_id("item")
+        self.spans.turn_begun(self.turn_id)
         self.link.speech_started(self.session, self.turn_id, audio_start_ms)
         self.chunker.reset()
         self.turn_audio.clear()
@@ -281,6 +284,9 @@ class CallerTurns:
             create_response and not provisional,
             provisional=provisional,
         )
+        silence_ms = max(0, audio_end_ms - self.vad.speech_end_ms)
+        asks = create_response and not provisional
+        self.spans.turn_ended(self.turn_id, self.speech_stopped_ns, silence_ms, asks)
         if not provisional:
             self.listener.turn_ended(create_response)
         item_id = self.turn_items[self.turn_id]
