@@ -190,6 +190,24 @@ def _metadata(value: Any) -> dict[str, Any]:
     return value
 
 
+def _tracing(value: Any, param: str) -> str | dict[str, Any] | None:
+    """OpenAI's session tracing: null, "auto", or {workflow_name, group_id, metadata}. The
+    gateway's traces go where gateway.tracing says (docs/tracing.md); the names become
+    attributes of each turn's trace."""
+    if value is None or value == "auto":
+        return value
+    value = _mapping(value, param)
+    _check_keys(value, {"workflow_name", "group_id", "metadata"}, param)
+    for key in ("workflow_name", "group_id"):
+        if key in value and not (isinstance(value[key], str) and len(value[key]) <= 256):
+            raise ProtocolError(
+                f"{param}.{key} must be a string of at most 256 characters", param=f"{param}.{key}"
+            )
+    if "metadata" in value:
+        _mapping(value["metadata"], f"{param}.metadata")
+    return copy.deepcopy(value)
+
+
 def _no_tools(session: dict[str, Any], param: str) -> None:
     if session.get("tools"):
         raise unsupported(f"{param}.tools", "function and MCP tools are not built")
@@ -208,6 +226,7 @@ class SessionConfig:
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     transcription: dict[str, Any] | None = field(default_factory=lambda: {"model": "server"})
     max_output_tokens: int | str = "inf"
+    tracing: str | dict[str, Any] | None = None  # "auto", or {workflow_name, group_id, metadata}
     input_format: str = "audio/pcm"
     output_format: str = "audio/pcm"
 
@@ -265,11 +284,11 @@ class SessionConfig:
                 update["max_output_tokens"], f"{param}.max_output_tokens"
             )
         _no_tools(update, param)
-        if update.get("tracing") is not None:
-            raise unsupported(f"{param}.tracing", "no tracing service; use /metrics and logs")
+        if "tracing" in update:
+            new.tracing = _tracing(update["tracing"], f"{param}.tracing")
         if update.get("truncation", "auto") != "auto":
             raise unsupported(
-                f"{param}.truncation", "the history is cut to reasoning.max_history_messages"
+                f"{param}.truncation", "the history is fitted to the model's context (auto)"
             )
         if update.get("include"):
             raise unsupported(f"{param}.include", "no transcription logprobs")
@@ -337,7 +356,7 @@ class SessionConfig:
             "tools": [],
             "tool_choice": "auto",
             "max_output_tokens": self.max_output_tokens,
-            "tracing": None,
+            "tracing": self.tracing,
             "truncation": "auto",
             "prompt": None,
             "include": None,

@@ -58,12 +58,13 @@ def rss_by_process(root_pid: int, names: dict[int, str]) -> dict[str, float]:
 def shm_usage(owner_pid: int) -> dict[str, float]:
     """The service's segments in /dev/shm (those its supervisor made): how many, and MiB
     resident (a ring's pages count once they are first written)."""
-    import shm
+    from shm import list_segments
+    from shm.segments import owner_of
 
     used, count = 0, 0
-    for name in shm.list_segments():
+    for name in list_segments():
         with contextlib.suppress(FileNotFoundError):
-            if shm.owner_of(name)[1] == owner_pid:
+            if owner_of(name)[1] == owner_pid:
                 count += 1
                 used += Path("/dev/shm", name.lstrip("/")).stat().st_blocks * 512
     return {"segments": count, "mib": round(used / 2**20, 1)}
@@ -119,6 +120,8 @@ async def soak(base: str, sessions: int, seconds: float, sample) -> list[Talker]
         runs = asyncio.gather(*(t.run(http, url, until) for t in talkers), return_exceptions=True)
         sampler = asyncio.create_task(sample(talkers))
         results = await runs
+        if sampler.done():  # it failed: the figures asked for are not there
+            sampler.result()
         sampler.cancel()
     for talker, result in zip(talkers, results, strict=True):
         if isinstance(result, BaseException):

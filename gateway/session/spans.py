@@ -311,6 +311,10 @@ class SessionSpans(Spans):
         }
         if turn_id >= 0:
             attributes["omni.turn.id"] = turn_id
+        if isinstance(named := self.config.tracing, dict):  # the client's session.tracing
+            for key in ("workflow_name", "group_id"):
+                if key in named:
+                    attributes[f"omni.tracing.{key}"] = named[key]
         return TurnTrace(self.tracing.start("turn", start_ns, None, attributes), turn_id)
 
     def _hop(

@@ -60,11 +60,27 @@ def base(server) -> str:
 
 class Session:
     """A raw WebSocket Realtime session: what it received, and a ping that proves the
-    session still answers (every event sent before it was handled by then)."""
+    session still answers (every event sent before it was handled by then). A reader reads
+    all along, as a client does: unread, the WebSocket's heartbeat pings go unanswered and
+    the server closes it (30 s)."""
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws = ws
         self.pings = 0
+        self.received: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.ws.receive()
+            self.received.put_nowait(msg)
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                return
+
+    async def _event(self) -> dict[str, Any]:
+        msg = await self.received.get()
+        assert msg.type is aiohttp.WSMsgType.TEXT, f"connection dropped: {msg}"
+        return json.loads(msg.data)
 
     async def send(self, event: dict[str, Any]) -> None:
         await self.ws.send_str(json.dumps(event))
@@ -72,9 +88,7 @@ class Session:
     async def next(self, *types: str, timeout: float = 30) -> dict[str, Any]:
         async with asyncio.timeout(timeout):
             while True:
-                msg = await self.ws.receive()
-                assert msg.type is aiohttp.WSMsgType.TEXT, f"connection dropped: {msg}"
-                event = json.loads(msg.data)
+                event = await self._event()
                 if event["type"] in types:
                     return event
 
@@ -82,22 +96,22 @@ class Session:
         """Every event up to the answer to a ping; fails on an internal error."""
         self.pings += 1
         ping_id = f"ping_{self.pings}"
-        await self.ws.send_str(
-            json.dumps(
-                {"type": "conversation.item.retrieve", "item_id": ping_id, "event_id": ping_id}
-            )
+        await self.send(
+            {"type": "conversation.item.retrieve", "item_id": ping_id, "event_id": ping_id}
         )
         seen = []
         async with asyncio.timeout(30):
             while True:
-                msg = await self.ws.receive()
-                assert msg.type is aiohttp.WSMsgType.TEXT, f"connection dropped: {msg}"
-                event = json.loads(msg.data)
+                event = await self._event()
                 seen.append(event)
                 if event["type"] == "error":
                     assert event["error"]["type"] != "server_error", event["error"]
                     if event["error"].get("event_id") == ping_id:
                         return seen
+
+    async def close(self) -> None:
+        await self.ws.close()
+        self._reader.cancel()
 
 
 async def open_session(
@@ -154,7 +168,7 @@ async def test_fuzzed_events_get_errors_and_neither_session_is_harmed(base) -> N
         await target.ping()
         for session in (target, bystander):
             assert (await text_turn(session, "are you there"))["status"] == "completed"
-        await asyncio.gather(target.ws.close(), bystander.ws.close())
+        await asyncio.gather(target.close(), bystander.close())
     print(f"\nfuzz: {sent} malformed events over the WebSocket")
 
 
@@ -224,7 +238,7 @@ async def test_fuzzed_http_bodies_get_4xx(server) -> None:
             async with http.delete(f"{base}/v1/realtime/calls/{call_id}", headers=AUTH):
                 pass
         assert (await text_turn(bystander, "hello"))["status"] == "completed"
-        await bystander.ws.close()
+        await bystander.close()
     print(f"\nfuzz: {FUZZ_BODIES} malformed HTTP bodies, statuses {sorted(statuses.items())}")
 
 
@@ -268,7 +282,7 @@ async def test_refused_texts_leave_the_session_as_it_was(base) -> None:
         assert (await session.next("error"))["error"]["code"] == "not_found"
         # and the conversation still takes items and answers
         assert (await text_turn(session, "what is new"))["status"] == "completed"
-        await session.ws.close()
+        await session.close()
 
 
 async def test_a_burst_of_response_creates_starts_one_reply(base) -> None:
@@ -291,7 +305,7 @@ async def test_a_burst_of_response_creates_starts_one_reply(base) -> None:
         ]
         assert len(created) == 1 and len(refused) == 299
         assert (await bystander_turn)["status"] == "completed"
-        await asyncio.gather(bystander.ws.close(), burst.ws.close())
+        await asyncio.gather(bystander.close(), burst.close())
 
 
 async def test_nothing_of_a_reply_follows_its_response_done(base) -> None:
@@ -304,7 +318,7 @@ async def test_nothing_of_a_reply_follows_its_response_done(base) -> None:
             rid = done["response"]["id"]
             after = [e for e in await session.ping() if e.get("response_id") == rid]
             assert not after, [e["type"] for e in after]
-        await session.ws.close()
+        await session.close()
 
 
 async def test_a_conversation_past_the_context_fails_no_turn(base) -> None:
@@ -316,7 +330,7 @@ async def test_a_conversation_past_the_context_fails_no_turn(base) -> None:
         statuses = [
             (await text_turn(session, f"{turn}: {question}"))["status"] for turn in range(20)
         ]
-        await session.ws.close()
+        await session.close()
     assert statuses == ["completed"] * 20, statuses
 
 
@@ -359,7 +373,8 @@ async def test_a_websocket_that_sends_nothing_is_closed(base) -> None:
         started = time.monotonic()
         error = (await session.next("error", timeout=15))["error"]
         assert error["code"] == "idle_connection"
-        msg = await session.ws.receive(timeout=5)
+        async with asyncio.timeout(5):
+            msg = await session.received.get()
         assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
         assert 1.5 < time.monotonic() - started < 10
 
@@ -378,7 +393,7 @@ async def test_one_client_secret_holds_at_most_its_calls(base) -> None:
             assert r.status == 429 and "calls_per_client_secret" in error["message"]
         # another client (an API key) is not held back by it
         other = await open_session(http, base)
-        await held[0].ws.close()
+        await held[0].close()
         async with asyncio.timeout(10):  # its slot comes back once the gateway sees it close
             while True:
                 try:
@@ -389,7 +404,7 @@ async def test_one_client_secret_holds_at_most_its_calls(base) -> None:
                 except aiohttp.WSServerHandshakeError as exc:
                     assert exc.status == 429
                     await asyncio.sleep(0.05)  # polling the gateway's bookkeeping
-        await asyncio.gather(third.close(), held[1].ws.close(), other.ws.close())
+        await asyncio.gather(third.close(), held[1].close(), other.close())
 
 
 async def test_a_half_sent_request_is_closed(base) -> None:
@@ -492,7 +507,7 @@ async def test_bursts_and_long_appends_do_not_hold_the_loop(base) -> None:
             await session.ws.send_str(append)
             await session.ping()  # answered after the append: events keep their order
             taken_ms = (time.monotonic() - sent) * 1000
-        await session.ws.close()
+        await session.close()
     print(
         f"\nloop held at worst {items_lag.worst_ms:.0f} ms by 1,000 item.create, "
         f"{append_lag.worst_ms:.0f} ms by a 150 s append taken in in {taken_ms:.0f} ms"
@@ -533,7 +548,6 @@ async def kill_under_a_live_reply(server, supervisor, restarted, role: str, vict
     restarts = stage.restarts
     async with aiohttp.ClientSession() as http:
         session = await open_session(http, base)
-        ws = session.ws
         await session.send(LONG_REPLY)
         await session.next("response.output_audio.delta")
         old = processes_of(stage.process.pid)
@@ -555,7 +569,7 @@ async def kill_under_a_live_reply(server, supervisor, restarted, role: str, vict
         await session.send(LONG_REPLY)
         done = (await session.next("response.done", timeout=120))["response"]
         assert done["status"] == "completed", done
-        await ws.close()
+        await session.close()
     print(
         f"\n{role}: /health unready {unready - killed:.2f} s after the kill, ready again "
         f"after {ready - killed:.1f} s"

@@ -216,3 +216,22 @@ def test_auth_on_without_keys_is_a_clear_start_up_error() -> None:
     with pytest.raises(ValueError, match=r"gateway\.auth\.enabled: false"):
         Authenticator(AuthConfig(api_keys_env="NOPE"), environ={})
     assert Authenticator(AuthConfig(enabled=False), environ={}).check(FakeRequest({})) is not None
+
+
+def test_session_tracing_is_taken_and_echoed() -> None:
+    """The Agents SDK sends tracing "auto" by default; a named workflow is kept for traces."""
+    config = fresh()
+    config.apply({"tracing": "auto"})
+    assert config.to_json("sess_1", 0)["tracing"] == "auto"
+    named = {"workflow_name": "support", "group_id": "g1", "metadata": {"k": "v"}}
+    config.apply({"tracing": named})
+    assert config.tracing == named
+    for bad, param in (
+        ({"tracing": "on"}, "session.tracing"),
+        ({"tracing": {"workflow_name": 3}}, "session.tracing.workflow_name"),
+        ({"tracing": {"other": 1}}, "session.tracing.other"),
+    ):
+        with pytest.raises(ProtocolError) as err:
+            config.apply(bad)
+        assert err.value.param == param
+    assert config.tracing == named

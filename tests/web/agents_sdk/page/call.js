@@ -9,9 +9,9 @@ window.agentsCall = {
 
   async connect({ url, apiKey }) {
     const agent = new RealtimeAgent({ name: "Assistant", instructions: "Answer briefly." });
-    // tracing goes to OpenAI's trace viewer, which the gateway has no counterpart of: it
-    // refuses the SDK's default ("auto") with an error event, so the app turns it off
-    const session = new RealtimeSession(agent, { transport: "webrtc", tracingDisabled: true });
+    // the SDK's defaults, tracing "auto" among them: the gateway takes it (its own traces go
+    // where gateway.tracing says)
+    const session = new RealtimeSession(agent, { transport: "webrtc" });
     session.on("transport_event", (event) => this.events.push(event));
     session.on("error", (event) => this.errors.push(describe(event.error)));
     this.session = session;
