@@ -170,13 +170,15 @@ def barge_in(
 
 def lost(replies: Replies, error: dict[str, Any], log: logging.LoggerAdapter[Any]) -> None:
     """A stage died and was purged of the session (by the supervisor, stages.supervisor):
-    nothing more of its replies will come. The one the caller hears stops and ends failed,
-    the ones asked and not started are forgotten (the client has the `error`), so that the
-    next response.create is taken."""
+    nothing more of its replies will come. The one being made stops and ends failed (one
+    made whole plays on), the ones asked and not started are forgotten (the client has the
+    `error`), so that the next response.create is taken."""
     for response_id in list(replies.created):
         replies.created.pop(response_id).move(ReplyState.CUT)
     replies.forget_asked()
     replies.voice_ahead.clear()
+    if replies.current is None or not replies.current.in_progress:
+        return  # all of it was made: the caller hears it to its end
     silenced = _silence(replies, None)
     if silenced is not None:
         reply, heard_samples = silenced

@@ -497,3 +497,30 @@ def test_closed_sessions_that_took_big_appends_hold_little_memory() -> None:
     )
     grown_mb = int(out.stdout.split()[-1])
     assert grown_mb < 60, f"four more closed sessions hold {grown_mb} MB"
+
+
+def test_a_stage_restart_fails_the_reply_being_made_and_frees_the_next_create() -> None:
+    """stage_restarted: the reply being made ends failed, a response.create asked and not
+    started is forgotten, and the next response.create is taken."""
+    from stages.messages import Error, ResponseStarted
+
+    link, transport = RecordingLink(), RecordingTransport()
+    session = RealtimeSession(
+        "c", link, 1, 16000, GatewayMetrics(), SessionConfig(voice="v"), on_closed=lambda c: None
+    )
+    session.bind(transport)
+    session.on_client_message('{"type": "response.create"}')
+    response_id = next(args[1] for name, args in link.calls if name == "create_response")
+    started = ResponseStarted(response_id, -1, True, True)
+    session.on_stage_event(Envelope("reasoning", Kind.RESPONSE_STARTED, 1, 0, 0, 0, started))
+    session.on_client_message('{"type": "response.create"}')  # refused: one is being made
+    lost = Error("vocoder", "stage_restarted", "the vocoder stage died")
+    session.on_stage_event(Envelope("vocoder", Kind.ERROR, 1, 0, 0, 0, lost))
+    types = [e["type"] for e in transport.events]
+    done = [e for e in transport.events if e["type"] == "response.done"]
+    assert [d["response"]["status"] for d in done] == ["failed"]
+    assert done[0]["response"]["status_details"]["error"]["code"] == "stage_restarted"
+    assert types.index("error") < types.index("response.done")
+    session.on_client_message('{"type": "response.create"}')
+    creates = [args for name, args in link.calls if name == "create_response"]
+    assert len(creates) == 2  # the refused one never reached the stages; this one did
