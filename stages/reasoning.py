@@ -202,6 +202,7 @@ class ReasoningStage(Stage):
         if self._engine_failure is None:
             logger.error("reasoning: the vLLM engine died (%s); the stage stops", exc)
             self._engine_failure = exc
+            self.cannot_serve(f"the vLLM engine died: {exc}")  # its shutdown takes seconds
         if self._wake is not None:
             self._wake.set()
 

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from stages.config import PipelineConfig
@@ -37,6 +38,9 @@ class Stage:
         self.ends = ends
         self.control = ends.control
         self.stop = stop
+        # tells the supervisor this stage can no longer serve, ahead of its exit (set by
+        # stages.stage_process; /health goes unready at once)
+        self.cannot_serve: Callable[[str], None] = lambda why: None
         self._readers = [
             RingReader(
                 src,

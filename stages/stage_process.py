@@ -78,6 +78,11 @@ def _stop_without_supervisor(supervisor_pid: int, stop: threading.Event) -> None
             os._exit(1)
 
 
+def _tell(conn: Connection, message: tuple[str, str]) -> None:
+    with contextlib.suppress(OSError):  # the supervisor may be gone
+        conn.send(message)
+
+
 #: Set once the model loop runs (before that, a stage without a supervisor exits at once).
 _running = threading.Event()
 #: Set once the stage has closed its models, as it exits.
@@ -139,6 +144,7 @@ def stage_main(spec: StageSpec, conn: Connection) -> None:
         info = stage.load()
         stage.start_readers()
         conn.send(("ready", {"pid": os.getpid(), **info, **placement.visible_report()}))
+        stage.cannot_serve = lambda why: _tell(conn, ("cannot_serve", why))
         _running.set()
         stage.run()
     except BaseException as exc:

@@ -213,11 +213,29 @@ class Supervisor:
     def _watch(self) -> None:
         while not self._stopping.is_set():
             sentinels = {s.process.sentinel: s for s in self.stages.values()}
-            dead = mp.connection.wait(list(sentinels), timeout=0.5)
-            for sentinel in dead:
+            # a stage about to exit says so first (stages.stage.Stage.cannot_serve)
+            conns = {s.conn: s for s in self.stages.values() if s.conn is not None and s.ready}
+            woken = mp.connection.wait([*sentinels, *conns], timeout=0.5)
+            for obj in woken:
                 if self._stopping.is_set():
                     return
-                self._restart(sentinels[sentinel])
+                if obj in conns:
+                    self._heard(conns[obj])
+            for obj in woken:
+                if obj in sentinels:
+                    self._restart(sentinels[obj])
+
+    def _heard(self, stage: StageProcess) -> None:
+        assert stage.conn is not None
+        try:
+            kind, detail = stage.conn.recv()
+        except (EOFError, OSError):  # it died: its sentinel says so too
+            stage.conn.close()
+            stage.conn = None
+            return
+        if kind == "cannot_serve":
+            stage.ready = False
+            logger.error("stage %s cannot serve: %s", stage.name, detail)
 
     def _restart(self, stage: StageProcess) -> None:
         stage.process.join(1)
