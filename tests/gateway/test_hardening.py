@@ -1,5 +1,6 @@
 """The served gateway under bad input, bursts, long calls, clients that hold on without using
-what they hold, and stage processes killed under a live reply, against the real stages
+what they hold, and stage processes killed under a live reply, and the traces it exports
+(OTLP, to a receiver of the module's own), against the real stages
 (pocketsphinx, vLLM on the tiny model with a 1,024-token context, espeak-ng) with API keys
 on. Every bad input gets a 4xx or an `error` event that names it, never a 5xx, an internal
 error or a dropped connection, and a second session goes on meanwhile."""
@@ -9,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,9 @@ from gateway.app import gateway_of
 from gateway.client import RealtimeCall
 from gateway.config import load_config
 from gateway.protocol import MAX_TEXT_BYTES
-from tests.gateway import payloads
+from tests.gateway import otlp, payloads
+from tests.gateway.otlp import Receiver
+from tests.gateway.test_call_e2e import speech48k
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
@@ -32,25 +37,36 @@ KEY = "sk-omni-hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FUZZ_EVENTS = 400  # over the WebSocket; and as many again over a call's data channel
 FUZZ_BODIES = 300
+HEADERS_ENV = "OMNI_TEST_OTLP_HEADERS"
+AUTH_HEADER = "Basic b21uaTp0ZXN0"  # Langfuse's shape: base64 of public key:secret key
+
+
+otlp_receiver = otlp.otlp_receiver  # the fixture, in this module
 
 
 @pytest.fixture(scope="module")
-def config():
-    return load_config(
-        TINY,
-        {
-            "reasoning.sampling": {"max_tokens": 16, "ignore_eos": True},
-            "gateway.auth": {"enabled": True, "api_keys": [KEY], "api_keys_env": None},
-            "gateway.limits": {
-                "connect_timeout_s": 2,
-                "first_event_timeout_s": 2,
-                "request_timeout_s": 2,
-                "calls_per_client_secret": 2,
+def config(otlp_receiver: Receiver) -> Iterator[Any]:
+    """Traces on, to a receiver of the module's own (Langfuse's auth header shape)."""
+    os.environ[HEADERS_ENV] = f"Authorization={AUTH_HEADER.replace(' ', '%20')}"
+    try:
+        yield load_config(
+            TINY,
+            {
+                "gateway.tracing": {"otlp_endpoint": otlp_receiver.url, "headers_env": HEADERS_ENV},
+                "reasoning.sampling": {"max_tokens": 16, "ignore_eos": True},
+                "gateway.auth": {"enabled": True, "api_keys": [KEY], "api_keys_env": None},
+                "gateway.limits": {
+                    "connect_timeout_s": 2,
+                    "first_event_timeout_s": 2,
+                    "request_timeout_s": 2,
+                    "calls_per_client_secret": 2,
+                },
+                "gateway.port": 0,
+                "max_sessions": 12,
             },
-            "gateway.port": 0,
-            "max_sessions": 12,
-        },
-    )
+        )
+    finally:
+        os.environ.pop(HEADERS_ENV, None)
 
 
 @pytest.fixture(scope="module")
@@ -516,6 +532,74 @@ async def test_bursts_and_long_appends_do_not_hold_the_loop(base) -> None:
     # in one piece the whole intake held the loop; now its JSON and base64 do (the share is
     # what holds on a loaded machine, where both take longer)
     assert append_lag.worst_ms < 0.6 * taken_ms
+
+
+# -- traces: a spoken turn and a cancelled reply, as span trees at the receiver ----------
+
+
+async def test_a_spoken_turn_and_a_cancelled_reply_arrive_as_span_trees(
+    server, otlp_receiver: Receiver, make_speech
+) -> None:
+    base, app = server
+    tracing = gateway_of(app).tracing
+    assert tracing is not None
+    call = await RealtimeCall.connect(base, api_key=KEY)
+    try:
+        await call.next_event("session.created")
+        call.microphone.play(speech48k(make_speech("what is the weather like today in paris")))
+        await call.next_event("input_audio_buffer.speech_stopped", timeout=20)
+        spoken = await call.next_event("response.created", timeout=60)
+        await call.next_event("output_audio_buffer.stopped", timeout=120)
+        # a reply asked for by name, cancelled while it is being made
+        call.send({"type": "response.create"})
+        asked = await call.next_event("response.created", timeout=60)
+        call.cancel()
+        cancelled = await call.next_event("omni.response.cancelled", timeout=30)
+    finally:
+        await call.close()
+    assert await asyncio.to_thread(tracing.flush, 10)
+    assert otlp_receiver.auth == {AUTH_HEADER}
+
+    turns = {
+        s.attributes.get("omni.response.id"): s for s in otlp_receiver.spans if s.name == "turn"
+    }
+    turn = turns[spoken["response"]["id"]]
+    assert turn.parent_id == b"" and turn.service == "omni-gateway"
+    assert turn.attributes["session.id"] == call.call_id
+    assert turn.attributes["omni.transport"] == "webrtc"
+    assert turn.attributes["omni.turn_detection"] == "server_vad"
+    assert turn.attributes["omni.turn.outcome"] == "played"
+    assert turn.attributes["omni.turn_latency_ms"] > 0
+    hops = otlp_receiver.children(turn)
+    assert [h.name for h in hops] == [
+        "vad",
+        "encoder",
+        "reasoning.first_token",
+        "vocoder.first_audio",
+        "playout",
+    ]
+    vad, encoder, reasoning, vocoder, playout = hops
+    assert turn.start == vad.start and vad.end == encoder.start
+    assert reasoning.end == vocoder.start and vocoder.end == playout.start
+    assert playout.end == turn.end and playout.attributes["omni.audio_ms"] > 0
+    assert all(h.start <= h.end for h in hops) and not turn.error
+
+    cut = turns[asked["response"]["id"]]
+    assert cut.attributes["omni.turn.source"] == "response.create"
+    assert cut.attributes["omni.turn.outcome"] == "cut"
+    assert cut.attributes["omni.cut.reason"] == "client_cancel"
+    (cancel,) = [s for s in otlp_receiver.children(cut) if s.name == "cancel"]
+    assert cancel.attributes["omni.cancel.reason"] == "client_cancel"
+    acks = otlp_receiver.children(cancel)
+    assert {a.name for a in acks} == {"cancel.encoder", "cancel.reasoning", "cancel.vocoder"}
+    assert all(a.start == cancel.start and a.end <= cancel.end for a in acks)
+    assert max(a.end for a in acks) == cancel.end
+    # the latency the client was told is the one traced
+    assert cancel.attributes["omni.cancel.latency_ms"] == pytest.approx(
+        cancelled["cancel_latency_ms"], abs=0.01
+    )
+    (reasoning_ack,) = [a for a in acks if a.name == "cancel.reasoning"]
+    assert reasoning_ack.attributes.get("omni.kv_usage") == cancelled["kv_cache_usage"]
 
 
 # -- faults: each stage process, and vLLM's engine core, SIGKILLed under a live reply ----------
