@@ -128,7 +128,12 @@ class ReasoningConfig(Strict):
     examples: list[Example] = Field(default_factory=list)
     engine_args: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=lambda: {"max_tokens": 64})
-    max_history_messages: int = Field(40, ge=2)
+    max_history_messages: int = Field(
+        40,
+        ge=2,
+        description="messages of the history kept at most; before each reply the rest is "
+        "fitted to the model's context in tokens as well, oldest first",
+    )
     gpus: list[int] | None = Field(
         None,
         description=GPUS_DESCRIPTION + "; as many as tensor_parallel_size x pipeline_parallel_size",
