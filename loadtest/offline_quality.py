@@ -161,16 +161,18 @@ def errors(reference: str, heard: str) -> tuple[int, int]:
 # -- the utterances --------------------------------------------------------------------------
 
 
-def speak(texts: list[str], voice: str) -> list[np.ndarray]:
+def speak(texts: list[str], voice: str, *, varied: bool = True) -> list[np.ndarray]:
     """Each text spoken by `voice` ("piper", or "espeak:NAME"), 48 kHz mono PCM16, with
-    0.3 s of silence before and 0.8 s after (the VAD's window ends the turn)."""
+    0.3 s of silence before and 0.8 s after (the VAD's window ends the turn). Piper says a
+    text a little differently each time unless `varied` is false (a test's fixed input)."""
     from stages.audio import resample
     from stages.backends import bundled
 
     if voice == "piper":
         from stages.backends.tts_piper import load_piper
 
-        tts: Any = load_piper(bundled.resolve("bundled:piper-en_US-joe-medium"))
+        noise = {} if varied else {"noise_scale": 0.0, "noise_w": 0.0}
+        tts: Any = load_piper(bundled.resolve("bundled:piper-en_US-joe-medium"), **noise)
     else:
         from stages.backends.tts_espeak import load_espeak
 

@@ -50,18 +50,29 @@ def load_piper(
     length_scale: float | None = None,
     volume: float = 1.0,
     warmup: bool = True,
+    noise_scale: float | None = None,
+    noise_w: float | None = None,
     **unknown: Any,
 ) -> PiperVoice:
     """Load a Piper voice. ``threads``: onnxruntime's threads for one sentence;
     ``length_scale``: slower (> 1) or faster (< 1) than the voice's own pace; ``volume``: the
-    peak of each sentence, as a share of full scale (Piper normalises each to full scale)."""
-    reject_unknown_options("piper", unknown, ("threads", "length_scale", "volume", "warmup"))
+    peak of each sentence, as a share of full scale (Piper normalises each to full scale);
+    ``noise_scale``, ``noise_w``: the voice's own randomness in sound and timing (its config's
+    by default; 0 and 0 say a text the same way every time)."""
+    reject_unknown_options(
+        "piper",
+        unknown,
+        ("threads", "length_scale", "volume", "warmup", "noise_scale", "noise_w"),
+    )
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise SpeechOptionError(f"piper option threads={threads!r} must be an int >= 1")
     if length_scale is not None and not 0.25 <= float(length_scale) <= 4:
         raise SpeechOptionError(f"piper option length_scale={length_scale!r} must be in 0.25..4")
     if not 0 < float(volume) <= 1:
         raise SpeechOptionError(f"piper option volume={volume!r} must be in (0, 1]")
+    for name, value in (("noise_scale", noise_scale), ("noise_w", noise_w)):
+        if value is not None and not 0 <= float(value) <= 2:
+            raise SpeechOptionError(f"piper option {name}={value!r} must be in 0..2")
     onnx, config_path = _voice_files(model)
     import onnxruntime
 
@@ -77,7 +88,9 @@ def load_piper(
     except Exception as exc:
         raise SpeechModelNotFoundError(f"cannot load the Piper voice {onnx}: {exc}") from exc
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    voice = PiperVoice(session, config, onnx.stem, length_scale, float(volume))
+    voice = PiperVoice(
+        session, config, onnx.stem, length_scale, float(volume), noise_scale, noise_w
+    )
     if warmup:
         list(voice.synthesize("Hello."))
     logger.info("piper voice %s loaded in %.1f s", onnx.stem, time.monotonic() - started)
@@ -114,6 +127,8 @@ class PiperVoice:
         voice_name: str,
         length_scale: float | None,
         volume: float,
+        noise_scale: float | None = None,
+        noise_w: float | None = None,
     ) -> None:
         self._session = session
         self._inputs = {i.name for i in session.get_inputs()}
@@ -124,9 +139,9 @@ class PiperVoice:
         inference = config.get("inference", {})
         self._scales = np.array(
             [
-                inference.get("noise_scale", 0.667),
+                inference.get("noise_scale", 0.667) if noise_scale is None else noise_scale,
                 length_scale or inference.get("length_scale", 1.0),
-                inference.get("noise_w", 0.8),
+                inference.get("noise_w", 0.8) if noise_w is None else noise_w,
             ],
             dtype=np.float32,
         )

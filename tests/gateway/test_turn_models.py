@@ -22,7 +22,9 @@ from stages.backends import bundled
 def question() -> np.ndarray:
     """A finished question in the Piper voice, 16 kHz, silence around it."""
     return resample(
-        speak(["Can you tell me the weather in Paris today?"], "piper")[0], 48000, 16000
+        speak(["Can you tell me the weather in Paris today?"], "piper", varied=False)[0],
+        48000,
+        16000,
     )
 
 
