@@ -608,6 +608,7 @@ async def test_a_spoken_turn_and_a_cancelled_reply_arrive_as_span_trees(
 # completes. (Killing `omni-gateway start` itself is tests/test_cli.py's.)
 
 LONG_REPLY = {"type": "response.create", "response": {"max_output_tokens": 160}}
+SHORT_REPLY = {"type": "response.create", "response": {"max_output_tokens": 4}}
 
 
 async def health_until(http: aiohttp.ClientSession, base: str, status: int, within_s: float):
@@ -650,7 +651,7 @@ async def kill_under_a_live_reply(server, supervisor, restarted, role: str, vict
         assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
 
         # the same call goes on: a spoken reply, start to end
-        await session.send(LONG_REPLY)
+        await session.send(SHORT_REPLY)
         done = (await session.next("response.done", timeout=120))["response"]
         assert done["status"] == "completed", done
         await session.close()
