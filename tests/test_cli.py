@@ -190,9 +190,8 @@ def test_say_file_writes_the_spoken_reply(tmp_path: Path, make_speech) -> None:
     assert "RANDOM-WEIGHT" in out.stderr  # the log says plainly the replies are noise
 
 
-@pytest.mark.slow
-def test_start_serves_a_call_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
-    before = set(shm.list_segments())
+def _start() -> tuple[subprocess.Popen[str], int]:
+    """`omni-gateway start` on the tiny config and a free port, in a session of its own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -204,6 +203,13 @@ def test_start_serves_a_call_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
         cwd=ROOT,
         start_new_session=True,
     )
+    return proc, port
+
+
+@pytest.mark.slow
+def test_start_serves_a_call_until_ctrl_c_and_cleans_up(tmp_path: Path) -> None:
+    before = set(shm.list_segments())
+    proc, port = _start()
     try:
         seen = []
         for line in proc.stderr:
@@ -241,21 +247,12 @@ async def _one_call(base: str) -> str:
         restrict_host_addresses(None)
 
 
+@pytest.mark.slow
 def test_start_killed_outright_under_a_live_reply_leaves_nothing_running(tmp_path: Path) -> None:
     """SIGKILL of `omni-gateway start` (no handler runs): its stages notice and exit, vLLM's
     engine core with them; the segments it made are reaped by the next start."""
     before = set(shm.list_segments())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [*CLI, "start", "--config", str(TINY), "--port", str(port)],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc, port = _start()
     try:
         for line in proc.stderr:
             if "gateway listening" in line:
