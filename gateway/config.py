@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import urllib.parse
 from pathlib import Path
 from typing import Any, Literal
 
@@ -226,6 +227,68 @@ class TracingConfig(Strict):
         return url
 
 
+class ToolsConfig(Strict):
+    """Function and MCP tools (the Realtime API's `tools`, docs/realtime.md "Tools")."""
+
+    mcp_servers: list[str] = Field(
+        default_factory=list,
+        description="the MCP servers sessions may name, as scheme://host[:port][/path] "
+        '("https://tools.example.com/mcp", "http://127.0.0.1"): a server_url matches with '
+        "the same scheme and host, the same port if one is given (any port if not), and a "
+        "path under the given one. The gateway connects to them on the caller's behalf, so "
+        'list only servers callers may reach; ["*"]: any URL; []: MCP tools refused',
+    )
+    mcp_list_timeout_s: float = Field(
+        10.0, gt=0, le=120, description="connecting to an MCP server and listing its tools"
+    )
+    mcp_call_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="one MCP tool call; past it the call fails and the model is told so",
+    )
+    function_output_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="how long after a reply that called a function the client has to send "
+        "its function_call_output before an `error` event says it never came; null: no limit",
+    )
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _valid_prefixes(cls, prefixes: list[str]) -> list[str]:
+        if "*" in prefixes and len(prefixes) > 1:
+            raise ValueError('"*" allows every URL: list it alone')
+        for prefix in prefixes:
+            if prefix == "*":
+                continue
+            parts = urllib.parse.urlsplit(prefix)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
+                raise ValueError(f"{prefix!r} is not an http(s) URL: scheme://host[:port][/path]")
+        return prefixes
+
+    def mcp_allowed(self, url: str) -> bool:
+        """Whether a session may have the gateway connect to the MCP server at `url`."""
+        if "*" in self.mcp_servers:
+            return True
+        try:
+            got = urllib.parse.urlsplit(url)
+            port = got.port
+        except ValueError:
+            return False
+        for prefix in self.mcp_servers:
+            want = urllib.parse.urlsplit(prefix)
+            if (
+                got.scheme == want.scheme
+                and got.hostname == want.hostname
+                and (want.port is None or port == want.port)
+                and got.path.startswith(want.path)
+                and not got.username
+            ):
+                return True
+        return False
+
+
 class GatewayConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -333,6 +396,7 @@ class GatewayConfig(Strict):
     cors: CorsConfig = Field(default_factory=CorsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
     @model_validator(mode="after")
     def _no_open_door(self) -> GatewayConfig:

@@ -1,9 +1,10 @@
-"""The conversation's items as the client sees them (conversation.item.* events).
+"""The conversation's items as the client sees them (conversation.item.* events): messages,
+function calls and their outputs, MCP calls and MCP tool lists.
 
 The reasoning stage keeps its own copy as chat messages (it appends the caller's transcripts
 and its replies itself, without a round trip through the gateway). When the client edits the
-conversation (create, delete, truncate), the gateway sends the whole list over (`History`),
-so both copies agree again.
+conversation (create, delete, truncate, a function's output), the gateway sends the whole list
+over (`History`), so both copies agree again.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.events import new_id
-from gateway.protocol import ProtocolError, text_field, unsupported
+from gateway.fields import ProtocolError, text_field, unsupported
+from stages.messages import HistoryMessage, ToolCall
 
 ROLES = ("user", "assistant", "system")
 # the history sent to the reasoning stage, in one ring record of 512 KiB with room to spare
@@ -26,20 +28,38 @@ CLIENT_CONTENT = {
 }
 
 
+# the fields each kind of item other than a message carries, in the order the API lists them
+CALL_FIELDS = {
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+    "mcp_call": ("server_label", "name", "arguments", "output", "error", "approval_request_id"),
+    "mcp_list_tools": ("server_label", "tools"),
+}
+
+
 @dataclass
 class Item:
     id: str
-    role: str
+    role: str  # a message's; "assistant" for calls, "tool" for outputs and lists
     content: list[dict[str, Any]] = field(default_factory=list)
     status: str = "completed"
+    type: str = "message"  # or one of CALL_FIELDS
+    fields: dict[str, Any] = field(default_factory=dict)  # an item of CALL_FIELDS' own
 
     @property
     def text(self) -> str:
-        """What the item says, for the model: typed text or the audio's transcript."""
+        """What a message says, for the model: typed text or the audio's transcript."""
         parts = [p.get("text") or p.get("transcript") or "" for p in self.content]
         return " ".join(p for p in parts if p)
 
     def to_json(self) -> dict[str, Any]:
+        if self.type != "message":
+            data = {"id": self.id, "object": "realtime.item", "type": self.type}
+            if self.type != "mcp_list_tools":
+                data["status"] = self.status
+            for name in CALL_FIELDS[self.type]:
+                data[name] = self.fields.get(name)
+            return data
         return {
             "id": self.id,
             "object": "realtime.item",
@@ -50,13 +70,43 @@ class Item:
         }
 
 
-def item_from_client(value: Any) -> Item:
-    """An item of conversation.item.create; a message with text content only."""
+def function_call(item_id: str, call_id: str, name: str, status: str = "in_progress") -> Item:
+    """The model's call of a function tool, its arguments still to come."""
+    fields = {"call_id": call_id, "name": name, "arguments": ""}
+    return Item(item_id, "assistant", [], status, "function_call", fields)
+
+
+def mcp_call(item_id: str, server_label: str, name: str) -> Item:
+    fields = {"server_label": server_label, "name": name, "arguments": "", "output": None}
+    return Item(item_id, "assistant", [], "in_progress", "mcp_call", fields)
+
+
+def mcp_list_tools(item_id: str, server_label: str) -> Item:
+    return Item(
+        item_id,
+        "tool",
+        [],
+        "in_progress",
+        "mcp_list_tools",
+        {"server_label": server_label, "tools": []},
+    )
+
+
+def item_from_client(value: Any, items: Conversation | None = None) -> Item:
+    """An item of conversation.item.create: a message with text content, a function call,
+    or a function's output (for a call in `items`)."""
     if not isinstance(value, dict):
         raise ProtocolError("item must be an object", param="item")
     kind = value.get("type", "message")
+    if kind in ("function_call", "function_call_output"):
+        return _call_item(value, kind, items)
+    if kind in ("mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response"):
+        raise unsupported(f"item.type={kind!r}", "MCP items are made by the gateway's MCP calls")
     if kind != "message":
-        raise unsupported(f"item.type={kind!r}", "only message items (no tools are built)")
+        raise ProtocolError(
+            f"item.type must be 'message', 'function_call' or 'function_call_output', not {kind!r}",
+            param="item.type",
+        )
     role = value.get("role")
     if role not in ROLES:
         raise ProtocolError(f"item.role must be one of {ROLES}, not {role!r}", param="item.role")
@@ -82,12 +132,45 @@ def item_from_client(value: Any) -> Item:
         key = "transcript" if ptype == "output_audio" else "text"
         parts.append({"type": ptype, key: text_field(part.get(key), f"{where}.{key}")})
 
+    item = Item(_item_id(value), role, parts)
+    text_field(item.text, "item.content")  # its parts together, as the model is given them
+    return item
+
+
+def _item_id(value: dict[str, Any]) -> str:
     item_id = value.get("id") or new_id("item")
     if not isinstance(item_id, str) or len(item_id) > 64:
         raise ProtocolError("item.id must be a string of at most 64 characters", param="item.id")
-    item = Item(item_id, role, parts)
-    text_field(item.text, "item.content")  # its parts together, as the model is given them
-    return item
+    return item_id
+
+
+def _call_item(value: dict[str, Any], kind: str, items: Conversation | None) -> Item:
+    allowed = {"id", "type", "object", "status", *CALL_FIELDS[kind]}
+    for key in value:
+        if key not in allowed:
+            raise ProtocolError(f"unknown field item.{key}", param=f"item.{key}")
+    call_id = value.get("call_id")
+    if not isinstance(call_id, str) or not 1 <= len(call_id) <= 64:
+        raise ProtocolError(
+            "item.call_id must be a string of 1 to 64 characters", param="item.call_id"
+        )
+    if kind == "function_call_output":
+        output = text_field(value.get("output"), "item.output")
+        if items is not None and items.call(call_id) is None:
+            raise ProtocolError(
+                f"no function_call with call_id {call_id!r} in the conversation",
+                param="item.call_id",
+                code="not_found",
+            )
+        return Item(
+            _item_id(value), "tool", [], "completed", kind, {"call_id": call_id, "output": output}
+        )
+    name = value.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64:
+        raise ProtocolError("item.name must name the function", param="item.name")
+    arguments = text_field(value.get("arguments", "{}"), "item.arguments")
+    fields = {"call_id": call_id, "name": name, "arguments": arguments}
+    return Item(_item_id(value), "assistant", [], "completed", kind, fields)
 
 
 class Conversation:
@@ -138,17 +221,69 @@ class Conversation:
         del self._items[item.id]
         return item
 
-    def history(self, max_bytes: int = HISTORY_BYTES) -> list[tuple[str, str]]:
-        """(role, text) of the items that say something, for the reasoning stage: the newest
-        that fit in `max_bytes` of UTF-8 (one ring record; the stage fits them to the
-        model's context in tokens)."""
-        kept: list[tuple[str, str]] = []
+    def call(self, call_id: str) -> Item | None:
+        """The function call item with `call_id`, if the conversation holds one."""
+        for item in reversed(self._items.values()):
+            if item.type == "function_call" and item.fields.get("call_id") == call_id:
+                return item
+        return None
+
+    def history(self, max_bytes: int = HISTORY_BYTES) -> list[HistoryMessage]:
+        """The items as chat messages, for the reasoning stage: the newest that fit in
+        `max_bytes` of UTF-8 (one ring record; the stage fits them to the model's context in
+        tokens). A reply's calls join its message; outputs are "tool" messages."""
+        kept: list[_Message] = []
         size = 0
         for item in reversed(self._items.values()):
-            if not (text := item.text):
-                continue
-            size += len(text.encode("utf-8")) + 16  # and the record's framing of a message
-            if size > max_bytes:
-                break
-            kept.append((item.role, text))
-        return kept[::-1]
+            for message in reversed(_messages(item)):
+                size += message.size
+                if size > max_bytes:
+                    return _joined(kept[::-1])
+                kept.append(message)
+        return _joined(kept[::-1])
+
+
+@dataclass
+class _Message:
+    role: str
+    text: str
+    calls: list[ToolCall] = field(default_factory=list)
+    call_id: str | None = None
+
+    @property
+    def size(self) -> int:  # its UTF-8 and the record's framing of it
+        calls = sum(len(c.arguments.encode("utf-8")) + len(c.name) + 48 for c in self.calls)
+        return len(self.text.encode("utf-8")) + 16 + calls
+
+
+def _messages(item: Item) -> list[_Message]:
+    """What an item says to the model: none for an empty message or a list of tools."""
+    f = item.fields
+    if item.type == "message":
+        return [_Message(item.role, text)] if (text := item.text) else []
+    if item.type == "function_call":
+        return [_Message("assistant", "", [ToolCall(f["call_id"], f["name"], f["arguments"])])]
+    if item.type == "function_call_output":
+        return [_Message("tool", f["output"], call_id=f["call_id"])]
+    if item.type == "mcp_call" and item.status != "in_progress":
+        call = ToolCall(item.id, f["name"], f["arguments"] or "{}")
+        error = f.get("error")
+        output = f["output"] if error is None else f"error: {error.get('message', '')}"
+        return [_Message("assistant", "", [call]), _Message("tool", output or "", call_id=item.id)]
+    return []
+
+
+def _joined(messages: list[_Message]) -> list[HistoryMessage]:
+    """Calls joined to the assistant message before them (a reply's words, then its calls);
+    an output kept only with its call."""
+    out: list[_Message] = []
+    calls_seen: set[str] = set()
+    for m in messages:
+        if m.role == "assistant" and not m.text and out and out[-1].role == "assistant":
+            out[-1].calls += m.calls
+        elif m.role == "tool" and m.call_id not in calls_seen:
+            continue  # its call fell out of the history
+        else:
+            out.append(m)
+        calls_seen.update(c.call_id for c in m.calls)
+    return [HistoryMessage(m.role, m.text, m.calls, m.call_id) for m in out]

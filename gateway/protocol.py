@@ -15,43 +15,18 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from gateway import tools
 from gateway.config import TurnDetectionConfig
+from gateway.fields import ProtocolError, check_keys, mapping, text_field, unsupported
 from gateway.opus import OpusUnavailable, opuslib
+from gateway.tools import ToolSet
 
 INPUT_RATE = 24_000  # audio/pcm in the Realtime API: PCM16 mono 24 kHz, little-endian
 OUTPUT_RATE = 24_000
 MAX_OUTPUT_TOKENS = 4096
 OPUS = "audio/opus"
 OPUS_RATE = 24_000  # what the agent's audio/opus is coded at
-# one text a client gives (instructions, an item's text): it travels to the reasoning stage in
-# one ring record (512 KiB), beside the history; longer than any prompt a voice agent needs
-MAX_TEXT_BYTES = 128 * 1024
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
-
-
-class ProtocolError(ValueError):
-    """A client event we cannot carry out; becomes an `error` event naming `param`."""
-
-    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-def unsupported(param: str, why: str) -> ProtocolError:
-    return ProtocolError(f"{param} is not supported here: {why}", param=param, code="unsupported")
-
-
-def _mapping(value: Any, param: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{param} must be an object", param=param)
-    return value
-
-
-def _check_keys(value: dict[str, Any], allowed: set[str], param: str) -> None:
-    for key in value:
-        if key not in allowed:
-            raise ProtocolError(f"unknown field {param}.{key}", param=f"{param}.{key}")
 
 
 SERVER_VAD_FIELDS = (
@@ -91,7 +66,7 @@ class TurnDetection:
     def parse(cls, value: Any, current: TurnDetection | None, param: str) -> TurnDetection | None:
         if value is None:
             return None
-        value = _mapping(value, param)
+        value = mapping(value, param)
         kind = value.get("type", "server_vad")
         if kind not in ("server_vad", "semantic_vad"):
             raise ProtocolError(
@@ -99,7 +74,7 @@ class TurnDetection:
                 param=f"{param}.type",
             )
         fields = SEMANTIC_VAD_FIELDS if kind == "semantic_vad" else SERVER_VAD_FIELDS
-        _check_keys(value, {"type", *fields}, param)
+        check_keys(value, {"type", *fields}, param)
         merged = {**vars(current or cls()), **value, "type": kind}
         try:
             checked = TurnDetectionConfig.model_validate(merged)
@@ -111,7 +86,7 @@ class TurnDetection:
 
 
 def _audio_format(value: Any, param: str) -> str:
-    value = _mapping(value, param)
+    value = mapping(value, param)
     kind = value.get("type")
     if kind == "audio/pcm":
         rate = value.get("rate", INPUT_RATE)
@@ -156,21 +131,8 @@ def _max_tokens(value: Any, param: str) -> int | str:
     return value
 
 
-def text_field(value: Any, param: str) -> str:
-    """A client's text, at most MAX_TEXT_BYTES of UTF-8."""
-    if not isinstance(value, str):
-        raise ProtocolError(f"{param} must be a string", param=param)
-    if len(value) > MAX_TEXT_BYTES // 4 and len(value.encode("utf-8")) > MAX_TEXT_BYTES:
-        raise ProtocolError(
-            f"{param} is longer than {MAX_TEXT_BYTES // 1024} KiB of UTF-8",
-            param=param,
-            code="text_too_long",
-        )
-    return value
-
-
 def _metadata(value: Any) -> dict[str, Any]:
-    value = _mapping(value, "response.metadata")
+    value = mapping(value, "response.metadata")
     if len(value) > METADATA_KEYS:
         raise ProtocolError(
             f"response.metadata has more than {METADATA_KEYS} keys", param="response.metadata"
@@ -196,23 +158,16 @@ def _tracing(value: Any, param: str) -> str | dict[str, Any] | None:
     attributes of each turn's trace."""
     if value is None or value == "auto":
         return value
-    value = _mapping(value, param)
-    _check_keys(value, {"workflow_name", "group_id", "metadata"}, param)
+    value = mapping(value, param)
+    check_keys(value, {"workflow_name", "group_id", "metadata"}, param)
     for key in ("workflow_name", "group_id"):
         if key in value and not (isinstance(value[key], str) and len(value[key]) <= 256):
             raise ProtocolError(
                 f"{param}.{key} must be a string of at most 256 characters", param=f"{param}.{key}"
             )
     if "metadata" in value:
-        _mapping(value["metadata"], f"{param}.metadata")
+        mapping(value["metadata"], f"{param}.metadata")
     return copy.deepcopy(value)
-
-
-def _no_tools(session: dict[str, Any], param: str) -> None:
-    if session.get("tools"):
-        raise unsupported(f"{param}.tools", "function and MCP tools are not built")
-    if session.get("tool_choice", "auto") not in ("auto", "none"):
-        raise unsupported(f"{param}.tool_choice", "there are no tools to choose")
 
 
 @dataclass
@@ -229,6 +184,7 @@ class SessionConfig:
     tracing: str | dict[str, Any] | None = None  # "auto", or {workflow_name, group_id, metadata}
     input_format: str = "audio/pcm"
     output_format: str = "audio/pcm"
+    tools: ToolSet = field(default_factory=ToolSet)
 
     @property
     def audio_out(self) -> bool:
@@ -244,8 +200,8 @@ class SessionConfig:
         self.__dict__.update(new.__dict__)
 
     def updated(self, update: Any, param: str = "session") -> SessionConfig:
-        update = _mapping(update, param)
-        _check_keys(
+        update = mapping(update, param)
+        check_keys(
             update,
             {
                 "type",
@@ -257,6 +213,7 @@ class SessionConfig:
                 "audio",
                 "tools",
                 "tool_choice",
+                "parallel_tool_calls",
                 "max_output_tokens",
                 "tracing",
                 "truncation",
@@ -283,7 +240,7 @@ class SessionConfig:
             new.max_output_tokens = _max_tokens(
                 update["max_output_tokens"], f"{param}.max_output_tokens"
             )
-        _no_tools(update, param)
+        new.tools = tools.updated(self.tools, update, param)
         if "tracing" in update:
             new.tracing = _tracing(update["tracing"], f"{param}.tracing")
         if update.get("truncation", "auto") != "auto":
@@ -295,13 +252,13 @@ class SessionConfig:
         if update.get("prompt") is not None:
             raise unsupported(f"{param}.prompt", "no stored prompts; use instructions")
         if "audio" in update:
-            new._apply_audio(_mapping(update["audio"], f"{param}.audio"), f"{param}.audio")
+            new._apply_audio(mapping(update["audio"], f"{param}.audio"), f"{param}.audio")
         return new
 
     def _apply_audio(self, audio: dict[str, Any], param: str) -> None:
-        _check_keys(audio, {"input", "output"}, param)
-        inp = _mapping(audio.get("input", {}), f"{param}.input")
-        _check_keys(
+        check_keys(audio, {"input", "output"}, param)
+        inp = mapping(audio.get("input", {}), f"{param}.input")
+        check_keys(
             inp, {"format", "transcription", "noise_reduction", "turn_detection"}, f"{param}.input"
         )
         if "format" in inp:
@@ -311,15 +268,15 @@ class SessionConfig:
         if "transcription" in inp:
             t = inp["transcription"]
             if t is not None:
-                t = _mapping(t, f"{param}.input.transcription")
-                _check_keys(t, {"model", "language", "prompt"}, f"{param}.input.transcription")
+                t = mapping(t, f"{param}.input.transcription")
+                check_keys(t, {"model", "language", "prompt"}, f"{param}.input.transcription")
             self.transcription = t
         if "turn_detection" in inp:
             self.turn_detection = TurnDetection.parse(
                 inp["turn_detection"], self.turn_detection, f"{param}.input.turn_detection"
             )
-        out = _mapping(audio.get("output", {}), f"{param}.output")
-        _check_keys(out, {"format", "voice", "speed"}, f"{param}.output")
+        out = mapping(audio.get("output", {}), f"{param}.output")
+        check_keys(out, {"format", "voice", "speed"}, f"{param}.output")
         if "format" in out:
             self.output_format = _audio_format(out["format"], f"{param}.output.format")
         if "voice" in out and out["voice"] != self.voice:
@@ -353,8 +310,9 @@ class SessionConfig:
                     "speed": 1.0,
                 },
             },
-            "tools": [],
-            "tool_choice": "auto",
+            "tools": self.tools.to_json(),
+            "tool_choice": self.tools.choice.to_json(),
+            "parallel_tool_calls": self.tools.parallel,
             "max_output_tokens": self.max_output_tokens,
             "tracing": self.tracing,
             "truncation": "auto",
@@ -372,13 +330,14 @@ class ResponseParams:
     audio: bool | None = None
     max_output_tokens: int | None = None
     metadata: dict[str, Any] | None = None
+    tools: ToolSet | None = None  # None: the session's
 
 
 def parse_response_create(value: Any, session: SessionConfig) -> ResponseParams:
     if value is None:
         return ResponseParams()
-    value = _mapping(value, "response")
-    _check_keys(
+    value = mapping(value, "response")
+    check_keys(
         value,
         {
             "instructions",
@@ -390,6 +349,7 @@ def parse_response_create(value: Any, session: SessionConfig) -> ResponseParams:
             "audio",
             "tools",
             "tool_choice",
+            "parallel_tool_calls",
             "prompt",
         },
         "response",
@@ -402,11 +362,14 @@ def parse_response_create(value: Any, session: SessionConfig) -> ResponseParams:
         raise unsupported("response.input", "add items with conversation.item.create")
     if value.get("prompt") is not None:
         raise unsupported("response.prompt", "no stored prompts; use instructions")
-    _no_tools(value, "response")
+    reply_tools = None
+    if {"tools", "tool_choice", "parallel_tool_calls"} & value.keys():
+        # MCP servers are the session's: their tools are listed as it is updated
+        reply_tools = tools.updated(session.tools, value, "response", allow_mcp=False)
     if "audio" in value:
         # the same checks as session.audio.output, without changing the session
-        audio = _mapping(value["audio"], "response.audio")
-        _check_keys(audio, {"output"}, "response.audio")
+        audio = mapping(value["audio"], "response.audio")
+        check_keys(audio, {"output"}, "response.audio")
         session.updated({"audio": {"output": audio.get("output", {})}}, "response")
     metadata = value.get("metadata")
     if metadata is not None:
@@ -428,4 +391,5 @@ def parse_response_create(value: Any, session: SessionConfig) -> ResponseParams:
         ),
         max_output_tokens=None if tokens in (None, "inf") else int(tokens),
         metadata=metadata,
+        tools=reply_tools,
     )

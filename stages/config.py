@@ -116,6 +116,34 @@ class Example(Strict):
     assistant: str = Field(min_length=1)
 
 
+class ToolCallingConfig(Strict):
+    """How the model calls functions (the Realtime API's `tools`)."""
+
+    parser: str = Field(
+        "hermes",
+        description="vLLM's tool-call parser for the model family (its --tool-call-parser "
+        "names: hermes for Qwen2.5 and Hermes models, llama3_json, mistral, ...)",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="the chat template that lists the tools and renders calls and their "
+        "outputs: a file, 'builtin:chatml-hermes', or unset for the model's own (a ChatML "
+        "model whose template renders no tools gets builtin:chatml-hermes)",
+    )
+    strict: Literal["parameter", "function", "auto"] = Field(
+        "parameter",
+        description="vLLM's --tool-strict-level: parameter holds every call to a tool's name "
+        "and its arguments to the tool's schema (structured outputs), function to the name "
+        "only, auto constrains only tool_choice required and named functions",
+    )
+    max_tokens: int = Field(
+        256,
+        ge=16,
+        description="the token cap of a reply that may call a function, when the reply's "
+        "own is lower: the call's JSON must fit",
+    )
+
+
 class ReasoningConfig(Strict):
     """The vLLM engine: any chat model vLLM serves; engine_args go to AsyncEngineArgs."""
 
@@ -128,6 +156,7 @@ class ReasoningConfig(Strict):
     examples: list[Example] = Field(default_factory=list)
     engine_args: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=lambda: {"max_tokens": 64})
+    tools: ToolCallingConfig = Field(default_factory=ToolCallingConfig)
     max_history_messages: int = Field(
         40,
         ge=2,

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from stages.messages import History
+from stages.messages import History, HistoryMessage, ToolCall
+
+Message = dict[str, Any]  # an OpenAI chat message: role, content, tool_calls, tool_call_id
 
 
 @dataclass
@@ -21,19 +24,41 @@ class Conversation:
 
     system_prompt: str
     max_messages: int
-    messages: list[dict[str, str]] = field(default_factory=list)
-    examples: list[dict[str, str]] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    examples: list[Message] = field(default_factory=list)
 
-    def add(self, role: str, text: str) -> dict[str, str] | None:
-        """Append a message (none for empty text); returns it, to take it back by identity."""
-        if not text:
+    def add(self, role: str, text: str, tool_calls: list[ToolCall] | None = None) -> Message | None:
+        """Append a message (none for empty text and no calls); returns it, to take it back
+        by identity. An assistant's `tool_calls` follow its text."""
+        if not text and not tool_calls:
             return None
-        message = {"role": role, "content": text}
+        message: Message = {"role": role, "content": text}
+        if tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in tool_calls
+            ]
+        return self._append(message)
+
+    def add_output(self, call_id: str, output: str) -> Message:
+        """A function's output, for the call `call_id`."""
+        return self._append({"role": "tool", "tool_call_id": call_id, "content": output})
+
+    def _append(self, message: Message) -> Message:
         self.messages.append(message)
-        del self.messages[: max(0, len(self.messages) - self.max_messages)]
+        excess = len(self.messages) - self.max_messages
+        if excess > 0:
+            del self.messages[:excess]
+            # a function's output with its call gone is a message no template renders
+            while self.messages and self.messages[0]["role"] == "tool":
+                del self.messages[0]
         return message
 
-    def take_back(self, message: dict[str, str] | None) -> None:
+    def take_back(self, message: Message | None) -> None:
         """Remove a message `add` returned (if the history still holds it)."""
         for i, m in enumerate(self.messages):
             if m is message:
@@ -43,30 +68,41 @@ class Conversation:
     def replace(self, history: History) -> None:
         self.messages = []
         for m in history.messages:
-            self.add(m.role, m.text)
+            self._add_history(m)
+
+    def _add_history(self, m: HistoryMessage) -> None:
+        if m.role == "tool":
+            self.add_output(m.call_id or "", m.text)
+        else:
+            self.add(m.role, m.text, m.tool_calls)
 
     def fit(
         self,
         instructions: str | None,
-        count_tokens: Callable[[list[dict[str, str]]], int],
+        count_tokens: Callable[[list[Message]], int],
         budget: int,
+        overhead_bytes: int = 0,
     ) -> int:
         """Drop the oldest messages until the prompt is at most `budget` tokens (as
-        `count_tokens` counts a prompt, template included); the last message left too long
-        keeps its end. Counts only when the prompt's UTF-8 size says it may not fit (a token
-        is at least a byte). Returns how many messages were dropped."""
+        `count_tokens` counts a prompt, template and tools included); the last message left
+        too long keeps its end. Counts only when the prompt's UTF-8 size (with
+        `overhead_bytes` of tools) says it may not fit (a token is at least a byte). Returns
+        how many messages were dropped."""
         prompt = self.prompt(instructions)
-        if sum(len(m["content"].encode("utf-8")) + 8 for m in prompt) <= budget:
+        if overhead_bytes + sum(_size(m) for m in prompt) <= budget:
             return 0
         dropped = 0
         tokens = count_tokens(prompt)
         while tokens > budget and len(self.messages) > 1:
             # drop about as many as the excess needs (by their share of the text), then count
             excess = (tokens - budget) / tokens
-            text = sum(len(m["content"]) + 8 for m in prompt)
+            text = sum(_size(m) for m in prompt)
             share = 0
             while self.messages and len(self.messages) > 1 and share < excess * text:
-                share += len(self.messages.pop(0)["content"]) + 8
+                share += _size(self.messages.pop(0))
+                dropped += 1
+            while len(self.messages) > 1 and self.messages[0]["role"] == "tool":
+                self.messages.pop(0)  # its call went
                 dropped += 1
             prompt = self.prompt(instructions)
             tokens = count_tokens(prompt)
@@ -78,7 +114,7 @@ class Conversation:
                 tokens = count_tokens(self.prompt(instructions))
         return dropped
 
-    def prompt(self, instructions: str | None = None) -> list[dict[str, str]]:
+    def prompt(self, instructions: str | None = None) -> list[Message]:
         system = {"role": "system", "content": instructions or self.system_prompt}
         return [system, *self.examples, *self.messages]
 
@@ -87,8 +123,17 @@ class Conversation:
         it)."""
         for m in reversed(self.messages):
             if m["role"] == "assistant":
-                if spoken_text:
+                if spoken_text or m.get("tool_calls"):
                     m["content"] = spoken_text
                 else:
                     self.messages.remove(m)
                 return
+
+
+def _size(message: Message) -> int:
+    """About how many bytes a message takes in the prompt (a token is at least one)."""
+    size = len(message["content"].encode("utf-8")) + 8
+    for call in message.get("tool_calls", ()):
+        function = call["function"]
+        size += len(function["name"]) + len(function["arguments"].encode("utf-8")) + 32
+    return size

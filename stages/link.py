@@ -33,6 +33,7 @@ from stages.messages import (
     SpeechStarted,
     SpeechStopped,
     TextDelta,
+    Tools,
     Truncate,
     TurnPaused,
     TurnResumed,
@@ -151,15 +152,15 @@ class PipelineLink:
         instructions: str | None = None,
         audio: bool | None = None,
         max_output_tokens: int | None = None,
+        tools: Tools | None = None,
     ) -> None:
         """Start a reply; None fields take the session's settings."""
-        msg = ResponseCreate(response_id, text, instructions, audio, max_output_tokens)
+        msg = ResponseCreate(response_id, text, instructions, audio, max_output_tokens, tools=tools)
         self._send("reasoning", session, msg)
 
-    def set_history(self, session: int, messages: list[tuple[str, str]]) -> None:
-        """Replace the reasoning stage's copy of the conversation with (role, text) pairs."""
-        history = History([HistoryMessage(role, text) for role, text in messages])
-        self._send("reasoning", session, history)
+    def set_history(self, session: int, messages: list[HistoryMessage]) -> None:
+        """Replace the reasoning stage's copy of the conversation."""
+        self._send("reasoning", session, History(messages))
 
     def apply_settings(self, session: int, settings: SessionSettings) -> None:
         self._send("reasoning", session, settings)

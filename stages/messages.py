@@ -34,6 +34,9 @@ class Kind(enum.IntEnum):
     TEXT_DELTA = 31
     RESPONSE_DONE = 32
     RESPONSE_RELEASE = 33  # reasoning -> vocoder: a reply made early goes out now, or never
+    # reasoning -> gateway: a function call the reply makes, and its arguments as they stream
+    TOOL_CALL = 34
+    TOOL_ARGUMENTS = 35
     # vocoder -> gateway
     AUDIO_OUT = 40  # raw PCM16 mono at the vocoder's rate, <= 100 ms
     PHRASE = 41  # which text the audio that follows speaks
@@ -92,6 +95,33 @@ class Transcript(Msg):
     speculative: bool = False
 
 
+class Tool(Msg):
+    """A function the model may call: its name, description and JSON Schema parameters
+    (JSON text, as the client gave it)."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
+
+
+class ToolCall(Msg):
+    """A function call the model made (or, in a history, had made): `arguments` is JSON text."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+
+class Tools(Msg):
+    """Which tools a reply may call, and how: `choice` is "auto", "none", "required" or
+    "function" (then `function` names the one it must call)."""
+
+    tools: list[Tool] = []
+    choice: str = "auto"
+    function: str | None = None
+    parallel: bool = True
+
+
 class SessionOpen(Msg):
     instructions: str | None = None  # system prompt; None keeps the configured one
     voice: str | None = None
@@ -112,11 +142,14 @@ class ResponseCreate(Msg):
     audio: bool | None = None  # speak it (False: text only, the vocoder stays out)
     max_output_tokens: int | None = None
     paced: bool = True  # False: synthesize as fast as possible (/v1/audio/speech)
+    tools: Tools | None = None  # None: the session's
 
 
 class HistoryMessage(Msg):
-    role: str  # "user", "assistant" or "system"
+    role: str  # "user", "assistant", "system" or "tool"
     text: str
+    tool_calls: list[ToolCall] = []  # an assistant's: the calls it made after its text
+    call_id: str | None = None  # a tool's: the call whose output `text` is
 
 
 class History(Msg):
@@ -132,6 +165,7 @@ class SessionSettings(Msg):
     instructions: str | None = None  # None: the configured system prompt
     audio: bool = True
     max_output_tokens: int | None = None  # None: the configured sampling.max_tokens
+    tools: Tools = Tools()
 
 
 class ResponseStop(Msg):
@@ -157,6 +191,7 @@ class ResponseStarted(Msg):
     # vocoder only: a reply started at the caller's pause; its audio is made but kept back
     # until a RESPONSE_RELEASE says whether the turn ended as it was
     held: bool = False
+    tools: bool = False  # it may call functions: its message may never come
 
 
 class TextDelta(Msg):
@@ -167,12 +202,39 @@ class TextDelta(Msg):
     since_submit_ns: int = 0
 
 
+class BadToolCall(Msg):
+    index: int
+    name: str
+    arguments: str
+    reason: str
+
+
+class ToolCallStarted(Msg):
+    """The reply calls a function: the `index`th call of the reply (its arguments follow as
+    TOOL_ARGUMENTS, and the call as made comes in RESPONSE_DONE)."""
+
+    response_id: str
+    index: int
+    call_id: str
+    name: str
+
+
+class ToolArguments(Msg):
+    response_id: str
+    index: int
+    delta: str
+
+
 class ResponseDone(Msg):
     response_id: str
     status: str  # "completed", "cancelled", "incomplete" or "failed"
     text: str  # whole reply as generated (the spoken part comes back through PHRASE)
     output_tokens: int = 0
     first_token_ns: int = 0
+    # the function calls it made, in order (gateway only); a call whose arguments are not a
+    # JSON object, or which names no tool, is in `bad_calls` instead, with why
+    tool_calls: list[ToolCall] = []
+    bad_calls: list[BadToolCall] = []
 
 
 class ResponseRelease(Msg):
@@ -239,6 +301,8 @@ SCHEMAS: dict[Kind, type[Msg]] = {
     Kind.TEXT_DELTA: TextDelta,
     Kind.RESPONSE_DONE: ResponseDone,
     Kind.RESPONSE_RELEASE: ResponseRelease,
+    Kind.TOOL_CALL: ToolCallStarted,
+    Kind.TOOL_ARGUMENTS: ToolArguments,
     Kind.PHRASE: Phrase,
     Kind.AUDIO_DONE: AudioDone,
     Kind.SESSION_OPEN: SessionOpen,

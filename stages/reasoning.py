@@ -37,6 +37,10 @@ from stages.messages import (
     SessionOpen,
     SessionSettings,
     TextDelta,
+    ToolArguments,
+    ToolCall,
+    ToolCallStarted,
+    Tools,
     Transcript,
     Truncate,
 )
@@ -49,6 +53,7 @@ from stages.tasks import Tasks, cancel_and_wait
 
 if TYPE_CHECKING:
     from stages.backends.llm_vllm import ReasoningEngine
+    from stages.backends.tool_parsing import ToolCalls
 
 ENGINE_CHECK_S = 1.0  # how often an idle stage looks at the engine's health
 
@@ -82,16 +87,18 @@ class Response:
     text: str = ""
     finished: bool = False
     recorded: bool = False  # its text is in the conversation (once, whoever stops it)
-    recorded_as: dict[str, str] | None = None  # the message that holds it
+    recorded_as: dict[str, Any] | None = None  # the message that holds it
     # an early reply's records for the gateway, kept back until its turn ends (None: a reply
     # made as its turn ended); the vocoder's go at once, its audio is kept back there
     held: HeldBack[Msg] | None = None
     dropped: bool = False  # an early reply dropped: its task's last records go nowhere
 
-    def record(self, conversation: Conversation, text: str) -> None:
+    def record(
+        self, conversation: Conversation, text: str, tool_calls: list[ToolCall] | None = None
+    ) -> None:
         if not self.recorded:
             self.recorded = True
-            self.recorded_as = conversation.add("assistant", text)
+            self.recorded_as = conversation.add("assistant", text, tool_calls)
 
 
 @dataclass
@@ -111,11 +118,18 @@ class ReplyOptions:
     audio: bool = True
     paced: bool = True
     max_output_tokens: int | None = None
+    tools: Tools = field(default_factory=Tools)
 
     @classmethod
     def of(cls, settings: SessionSettings, create: ResponseCreate | None = None) -> ReplyOptions:
         if create is None:
-            return cls(settings.instructions, settings.audio, True, settings.max_output_tokens)
+            return cls(
+                settings.instructions,
+                settings.audio,
+                True,
+                settings.max_output_tokens,
+                settings.tools,
+            )
         return cls(
             create.instructions if create.instructions is not None else settings.instructions,
             create.audio if create.audio is not None else settings.audio,
@@ -123,7 +137,12 @@ class ReplyOptions:
             create.max_output_tokens
             if create.max_output_tokens is not None
             else settings.max_output_tokens,
+            create.tools if create.tools is not None else settings.tools,
         )
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools.tools) and self.tools.choice != "none"
 
 
 class ReasoningStage(Stage):
@@ -138,6 +157,8 @@ class ReasoningStage(Stage):
         self._cancel_hops = CancelHops()
         self._engine_failure: BaseException | None = None
         self._wake: asyncio.Event | None = None
+        self._tool_template_found: tuple[str | None] | None = None
+        self._tool_parser_class: Any = None
 
     def load(self) -> dict[str, Any]:
         from stages.backends.llm_vllm import ReasoningEngine
@@ -412,34 +433,31 @@ class ReasoningStage(Stage):
         if previous is not None:  # one reply at a time per session
             await self._stop(previous)
             previous.record(state.conversation, previous.text)
-        started = ResponseStarted(response.response_id, turn_id, options.audio, options.paced)
+        started = ResponseStarted(
+            response.response_id, turn_id, options.audio, options.paced, tools=options.calls_tools
+        )
         # released already if its turn ended before this task ran: the vocoder holds nothing
         held = response.held is not None and response.held.holding
         self._emit(session, response, "vocoder", msgspec.structs.replace(started, held=held))
         self._emit(session, response, GATEWAY, started)
-        budget = self.engine.prompt_budget(options.max_output_tokens)
-        if dropped := state.conversation.fit(
-            options.instructions, self.engine.prompt_tokens, budget
-        ):
-            logger.debug("session %d: %d oldest messages out, to fit the context", session, dropped)
-        prompt = state.conversation.prompt(options.instructions)
-        sampling = (
-            {"max_tokens": options.max_output_tokens}
-            if options.max_output_tokens is not None
-            else None
-        )
         status, first_ns, index = "completed", 0, 0
-        submitted_ns = time.monotonic_ns()
         try:
-            async for text in self.engine.generate(response.request_id, prompt, sampling):
+            calls, prompt, sampling, tools, template = self._prepare(session, state, options)
+            submitted_ns = time.monotonic_ns()
+            pieces = self.engine.generate_pieces(
+                response.request_id, prompt, sampling, tools, template
+            )
+            async for text, token_ids, finished in pieces:
                 if not first_ns:
                     first_ns = time.monotonic_ns()
-                response.text += text
-                since_submit = first_ns - submitted_ns if index == 0 else 0
-                delta = TextDelta(response.response_id, text, index, since_submit)
-                index += 1
-                self._emit(session, response, "vocoder", delta)
-                self._emit(session, response, GATEWAY, delta)
+                said = self._said(session, response, calls, text, token_ids, finished)
+                if said:
+                    response.text += said
+                    since_submit = first_ns - submitted_ns if index == 0 else 0
+                    delta = TextDelta(response.response_id, said, index, since_submit)
+                    index += 1
+                    self._emit(session, response, "vocoder", delta)
+                    self._emit(session, response, GATEWAY, delta)
         except asyncio.CancelledError:
             raise  # _cancel answers for a cancelled reply
         except EngineDeadError as exc:
@@ -450,12 +468,108 @@ class ReasoningStage(Stage):
             status = "failed"
             self.error(session, "generation_failed", f"{type(exc).__name__}: {exc}")
         response.finished = True
-        response.record(state.conversation, response.text)
+        good, bad = calls.finish() if calls is not None and status == "completed" else ([], [])
+        response.record(state.conversation, response.text, good)
         done = ResponseDone(response.response_id, status, response.text, index, first_ns)
         self._emit(session, response, "vocoder", done)
-        self._emit(session, response, GATEWAY, done)
+        self._emit(
+            session,
+            response,
+            GATEWAY,
+            msgspec.structs.replace(done, tool_calls=good, bad_calls=bad),
+        )
         if state.response is response:
             state.response = None
+
+    def _prepare(
+        self, session: int, state: SessionState, options: ReplyOptions
+    ) -> tuple[
+        ToolCalls | None,
+        list[dict[str, Any]],
+        dict[str, Any] | None,
+        list[dict[str, Any]] | None,
+        str | None,
+    ]:
+        """What the reply asks of the engine: (its function calling, the prompt, sampling
+        overrides, the tools the template lists, the template to list them with)."""
+        sampling: dict[str, Any] = {}
+        cap = options.max_output_tokens
+        tools: list[dict[str, Any]] | None = None
+        template: str | None = None
+        if options.calls_tools:
+            from stages.backends.tool_parsing import chat_tools
+
+            tools, template = chat_tools(options.tools), self._tool_template()
+            cap = max(
+                cap or self.config.reasoning.sampling.get("max_tokens") or 0,
+                self.config.reasoning.tools.max_tokens,
+            )
+        if cap is not None:
+            sampling["max_tokens"] = cap
+        budget = self.engine.prompt_budget(cap)
+        overhead = len(msgspec.json.encode(tools)) if tools else 0
+        if dropped := state.conversation.fit(
+            options.instructions,
+            lambda prompt: self.engine.prompt_tokens(prompt, tools, template),
+            budget,
+            overhead,
+        ):
+            logger.debug("session %d: %d oldest messages out, to fit the context", session, dropped)
+        prompt = state.conversation.prompt(options.instructions)
+        calls = None
+        if options.calls_tools:
+            from stages.backends.tool_parsing import ToolCalls
+
+            calls = ToolCalls(options.tools, prompt, self._tool_parser(), self.engine.tokenizer)
+            sampling.update(calls.sampling())
+        return calls, prompt, sampling or None, tools, template
+
+    def _said(
+        self,
+        session: int,
+        response: Response,
+        calls: ToolCalls | None,
+        text: str,
+        token_ids: list[int],
+        finished: bool,
+    ) -> str:
+        """The words of one piece of output, to speak; the calls in it go to the gateway."""
+        if calls is None:
+            return text
+        from stages.backends.tool_parsing import CallArguments, CallStarted, Words
+
+        said = ""
+        for piece in calls.feed(text, token_ids, finished):
+            match piece:
+                case Words(text=words):
+                    said += words
+                case CallStarted(index=i, call_id=call_id, name=name):
+                    started = ToolCallStarted(response.response_id, i, call_id, name)
+                    self._emit(session, response, GATEWAY, started)
+                case CallArguments(index=i, delta=delta):
+                    self._emit(
+                        session, response, GATEWAY, ToolArguments(response.response_id, i, delta)
+                    )
+        return said
+
+    def _tool_template(self) -> str | None:
+        """The chat template that lists tools (None: the model's own), found once."""
+        if self._tool_template_found is None:
+            from stages.backends.tool_parsing import tool_chat_template
+
+            model_template = getattr(self.engine.tokenizer, "chat_template", None)
+            self._tool_template_found = (
+                tool_chat_template(self.config.reasoning.tools.chat_template, model_template),
+            )
+        return self._tool_template_found[0]
+
+    def _tool_parser(self) -> Any:
+        if self._tool_parser_class is None:
+            from stages.backends.tool_parsing import parser_class
+
+            cfg = self.config.reasoning.tools
+            self._tool_parser_class = parser_class(cfg.parser, self.engine.tokenizer, cfg.strict)
+        return self._tool_parser_class
 
     def _emit(self, session: int, response: Response, dst: str, msg: Msg) -> None:
         if response.dropped:

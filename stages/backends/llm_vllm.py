@@ -259,12 +259,31 @@ class ReasoningEngine:
         messages: list[dict[str, Any]],
         sampling: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[str]:
-        """Stream the reply to ``messages`` (OpenAI chat format) as text deltas.
+        """Stream the reply to ``messages`` (OpenAI chat format) as text deltas (see
+        `generate_pieces`)."""
+        async with contextlib.aclosing(
+            self.generate_pieces(request_id, messages, sampling)
+        ) as pieces:
+            async for text, _, _ in pieces:
+                if text:
+                    yield text
 
-        The model's chat template is applied by vLLM's renderer. ``sampling`` overrides the
-        engine's default sampling parameters for this request. The stream ends when the reply is
-        finished or the request is aborted. If the consumer is cancelled or closes the generator,
-        the request is aborted here, so its KV blocks are freed at once.
+    async def generate_pieces(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]],
+        sampling: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+    ) -> AsyncIterator[tuple[str, list[int], bool]]:
+        """Stream the reply to ``messages`` (OpenAI chat format) as (text, token ids,
+        finished), a piece per engine step.
+
+        The chat template (the model's, or ``chat_template``) is applied by vLLM's renderer,
+        with ``tools`` (Chat Completions form) for the template to list. ``sampling``
+        overrides the engine's default sampling parameters for this request. The stream ends
+        when the reply is finished or the request is aborted. If the consumer is cancelled or
+        closes the generator, the request is aborted here, so its KV blocks are freed at once.
         """
         from vllm.renderers.params import ChatParams
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
@@ -276,16 +295,21 @@ class ReasoningEngine:
             if sampling
             else self._default_params.clone()
         )
-        chat_params = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
+        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        if tools:
+            kwargs["tools"] = tools
+        chat_params = ChatParams(chat_template=chat_template, chat_template_kwargs=kwargs)
         llm = self._llm
         _, (prompt,) = await llm.renderer.render_chat_async([messages], chat_params)
         try:
             async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:
                 async for output in outputs:
                     for completion in output.outputs:
-                        # Empty when the detokenizer holds back an incomplete UTF-8 sequence.
-                        if completion.text:
-                            yield completion.text
+                        # The text is empty when the detokenizer holds back an incomplete
+                        # UTF-8 sequence (its tokens come again with the rest)
+                        finished = completion.finish_reason is not None
+                        if completion.text or finished:
+                            yield completion.text, list(completion.token_ids), finished
         except (asyncio.CancelledError, GeneratorExit):
             # The one place a stream's consumer going away turns into an abort. (Closing vLLM's
             # own generator above aborts too; aborts are idempotent.)
@@ -297,6 +321,15 @@ class ReasoningEngine:
         except VllmEngineDeadError as exc:
             raise EngineDeadError(f"vLLM engine on {self.model!r} died: {exc}") from exc
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's), made on first use."""
+        if self._tokenizer is None:
+            if self._llm is None:
+                raise ReasoningEngineError(f"engine on {self.model!r} is shut down")
+            self._tokenizer = self._llm.get_tokenizer()
+        return self._tokenizer
+
     def prompt_budget(self, max_output_tokens: int | None = None) -> int:
         """The prompt tokens that leave room in the context for a reply of
         `max_output_tokens` (or the configured max_tokens; 256 without one)."""
@@ -306,13 +339,20 @@ class ReasoningEngine:
         context = self._llm.model_config.max_model_len
         return max(1, context - min(int(reply), context // 2))
 
-    def prompt_tokens(self, messages: list[dict[str, Any]]) -> int:
-        """Tokens of ``messages`` as the model is prompted with them (its chat template)."""
-        if self._tokenizer is None:
-            assert self._llm is not None
-            self._tokenizer = self._llm.get_tokenizer()
-        ids = self._tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True
+    def prompt_tokens(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+    ) -> int:
+        """Tokens of ``messages`` as the model is prompted with them (its chat template, or
+        ``chat_template``, listing ``tools``)."""
+        ids = self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            chat_template=chat_template,
+            tokenize=True,
+            add_generation_prompt=True,
         )
         return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 

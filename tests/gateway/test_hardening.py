@@ -25,7 +25,7 @@ from aiortc import RTCPeerConnection
 from gateway.app import gateway_of
 from gateway.client import RealtimeCall
 from gateway.config import load_config
-from gateway.protocol import MAX_TEXT_BYTES
+from gateway.fields import MAX_TEXT_BYTES
 from tests.gateway import otlp, payloads
 from tests.gateway.otlp import Receiver
 from tests.gateway.test_call_e2e import speech48k

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.conversation import Conversation, Item, item_from_client
+from gateway.fields import MAX_TEXT_BYTES, ProtocolError
 from gateway.json_input import MAX_DEPTH, parse_json
-from gateway.protocol import MAX_TEXT_BYTES, ProtocolError
 
 
 @pytest.mark.parametrize(
