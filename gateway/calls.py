@@ -215,6 +215,7 @@ class Gateway:
             end_of_turn_pause_ms=gw.end_of_turn_pause_ms,
             interruptions=gw.interruptions,
             tracing=self.tracing,
+            tools=gw.tools,
         )
         self.calls[call.call_id] = call
         self.admission.admit(call.call_id, holder)

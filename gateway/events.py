@@ -44,7 +44,7 @@ def response_obj(
     status: str,
     *,
     audio: bool = True,
-    item: dict[str, Any] | None = None,
+    output: list[dict[str, Any]] | None = None,
     status_details: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def response_obj(
         "id": response_id,
         "status": status,
         "status_details": status_details,
-        "output": [item] if item is not None else [],
+        "output": output or [],
         "output_modalities": ["audio"] if audio else ["text"],
         "metadata": metadata,
         "conversation_id": None,

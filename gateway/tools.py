@@ -115,12 +115,16 @@ class ToolSet:
     def server(self, label: str) -> McpServer | None:
         return next((s for s in self.servers if s.server_label == label), None)
 
-    def for_model(self, mcp_tools: list[Tool]) -> Tools:
+    def for_model(self, mcp_tools: list[Tool], strict: bool = True) -> Tools:
         """What the reasoning stage is told: the function tools and the MCP tools listed so
-        far (`mcp_tools`), and the choice (an MCP tool chosen is a function to it)."""
+        far (`mcp_tools`), and the choice (an MCP tool chosen is a function to it). A choice
+        of an MCP tool not listed yet is an error, or with `strict` off (the session's
+        settings, sent again once the listing comes) "auto" until then."""
         specs = [t.spec() for t in self.functions] + mcp_tools
         mode, name = self.choice.mode, self.choice.name
         if mode in ("function", "mcp"):
+            if not any(t.name == name for t in specs) and not strict:
+                return Tools(specs, "auto", None, self.parallel)
             if not any(t.name == name for t in specs):
                 # an MCP tool chosen before its server's tools are listed (or one it lacks)
                 raise ProtocolError(

@@ -16,6 +16,7 @@ import asyncio
 import base64
 import binascii
 import collections
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gateway import events as ev
-from gateway.config import InterruptionConfig
+from gateway.config import InterruptionConfig, ToolsConfig
 from gateway.conversation import Conversation
 from gateway.metrics import GatewayMetrics
 from gateway.opus import PacketCodec
@@ -43,7 +44,9 @@ from gateway.session.replies import Replies
 from gateway.session.reply import Reply
 from gateway.session.spans import NO_SPANS, SessionSpans
 from gateway.session.stop import Cancels
+from gateway.session.tool_use import SessionTools
 from gateway.session.turns import CallerTurns
+from gateway.tools import ToolChoice
 from stages.envelope import Envelope
 from stages.link import PipelineLink
 from stages.messages import (
@@ -56,6 +59,8 @@ from stages.messages import (
     ResponseStarted,
     SessionSettings,
     TextDelta,
+    ToolArguments,
+    ToolCallStarted,
     Transcript,
 )
 from stages.tasks import Tasks
@@ -98,6 +103,7 @@ class RealtimeSession:
         end_of_turn_pause_ms: int = 200,
         interruptions: InterruptionConfig | None = None,
         tracing: Tracing | None = None,
+        tools: ToolsConfig | None = None,
     ) -> None:
         """`hold_on_voice`: silence the agent from the caller's first voiced frame until the
         VAD decides whether they are talking over it (GatewayConfig.barge_in_hold).
@@ -105,7 +111,8 @@ class RealtimeSession:
         held until the turn ends (GatewayConfig.prepare_reply_ms; 0: off). `turn_models`:
         the process's VAD classifier and end-of-turn model (webrtcvad and no semantic_vad
         without). `interruptions`: what the caller's voice over the agent does. `tracing`: the
-        process's OpenTelemetry traces (gateway.tracing), if on."""
+        process's OpenTelemetry traces (gateway.tracing), if on. `tools`: the gateway's
+        rules for function and MCP tools."""
         self.call_id = call_id
         self.link = link
         self.session = session
@@ -154,6 +161,15 @@ class RealtimeSession:
             self.spans,
         )
         self.cancels = Cancels(link, session, self.outbox, metrics, self.spans)
+        self.tools = SessionTools(
+            tools or ToolsConfig(),
+            self.outbox,
+            self.items,
+            self.replies,
+            self.spawn,
+            settings_changed=self.apply_settings,
+            follow_up=self._follow_up,
+        )
         self.deferred_create: tuple[ResponseParams, str | None] | None = None
         self._history_due = False  # edits not yet sent to the reasoning stage (sync_history)
         self.closed = asyncio.Event()
@@ -200,8 +216,10 @@ class RealtimeSession:
 
     def apply_settings(self) -> None:
         c = self.config
+        tools = self.tools.for_model(c.tools, strict=False)
         self.link.apply_settings(
-            self.session, SessionSettings(c.instructions or None, c.audio_out, c.token_cap)
+            self.session,
+            SessionSettings(c.instructions or None, c.audio_out, c.token_cap, tools),
         )
 
     def sync_history(self) -> None:
@@ -413,8 +431,11 @@ class RealtimeSession:
     def create_response(self, params: ResponseParams, event_id: str | None) -> None:
         """Ask the stages for a reply (response.create, once the last turn's text is in)."""
         self.disarm_idle()
-        # a reply still playing stops first, so that its cancel precedes the new reply
-        stop.cut(self.replies, self.cancels, "superseded", self.log)
+        tools = self.tools.for_model(params.tools) if params.tools is not None else None
+        # a reply still playing stops first, so that its cancel precedes the new reply; one
+        # that called functions plays its words to their end before this one
+        if not self.replies.hand_over():
+            stop.cut(self.replies, self.cancels, "superseded", self.log)
         response_id = ev.new_id("resp")
         self.replies.ask(response_id, params.metadata)
         self.flush_history()
@@ -424,7 +445,16 @@ class RealtimeSession:
             instructions=params.instructions,
             audio=params.audio,
             max_output_tokens=params.max_output_tokens,
+            tools=tools,
         )
+
+    def _follow_up(self, choice: str) -> None:
+        """A reply that reads the MCP calls' answers, with the session's tools."""
+        if self.closed.is_set() or self.replies.active():
+            return
+        tools = dataclasses.replace(self.config.tools, choice=ToolChoice(choice))
+        self.sync_history()
+        self.create_response(ResponseParams(tools=tools), None)
 
     def playback_done(self, response_id: str) -> None:
         """The transport played a finished reply to its end (a WebSocket client: was sent
@@ -462,8 +492,18 @@ class RealtimeSession:
                 if reply := replies.current_for(msg.response_id):
                     self.spans.text_delta(reply, msg, env.t_ns)
                     replies.text_delta(reply, msg.text)
+            case ToolCallStarted():
+                if reply := replies.current_for(msg.response_id):
+                    self.tools.call_started(reply, msg.index, msg.call_id, msg.name)
+            case ToolArguments():
+                if reply := replies.current_for(msg.response_id):
+                    replies.call_arguments(reply, msg.index, msg.delta)
             case ResponseDone():
                 if reply := replies.current_for(msg.response_id):
+                    for call in msg.tool_calls:
+                        self.tools.call_made(reply, call.call_id, call.arguments)
+                    for bad in msg.bad_calls:
+                        self.tools.call_bad(reply, bad.index, bad.name, bad.reason)
                     replies.text_done(reply, msg.text, msg.status)
             case CancelAck():
                 self.cancels.acked(msg.cancel_id, msg.stage, msg.t_ns, msg.kv_usage)
@@ -492,7 +532,7 @@ class RealtimeSession:
         asked = self.replies.turn_asked is not None
         if self.replies.current is not None:  # the stages stopped it for this one already
             stop.let_go(self.replies, "superseded", self.log)
-        self.replies.start(msg.response_id, msg.turn_id, msg.audio, t_ns)
+        self.replies.start(msg.response_id, msg.turn_id, msg.audio, msg.tools, t_ns)
         ahead = self.replies.voice_ahead.started(msg.response_id)
         if asked and self._interrupts() and self.turns.vad.in_speech:
             # the reply to the caller's last turn started after they spoke again (too soon
@@ -546,7 +586,7 @@ class RealtimeSession:
         self.log.info("session closed: %s", reason)
         self.disarm_idle()
         self.spans.close()
-        self.replies.current = None
+        self.replies.current = self.replies.finishing = None
         self._in_rs = self._opus = None  # coders' native buffers go now, not at a collection
         transport = self.transport
         if transport is not None:
@@ -555,6 +595,7 @@ class RealtimeSession:
             self.link.close_session(self.session)  # the reasoning stage aborts its request
         finally:
             self.on_closed(self)
+            await self.tools.close()
             await self.tasks.close()
             if transport is not None:
                 try:

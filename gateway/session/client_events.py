@@ -58,12 +58,15 @@ def dispatch(session: RealtimeSession, message: Any) -> None:
 
 def session_update(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
     had_vad = session.config.turn_detection is not None
+    new = session.config.updated(data.get("session"))
     if session.turn_models is not None:  # semantic_vad needs the end-of-turn model
-        session.turn_models.check(session.config.updated(data.get("session")))
+        session.turn_models.check(new)
+    session.tools.check(new.tools)  # MCP servers the gateway may reach
     session.config.apply(data.get("session"))
     session.turns.reconfigure(had_vad)
     session.apply_settings()
     session.outbox.session_updated(session.config)
+    session.tools.sync(session.config.tools)  # then mcp_list_tools.* for new MCP servers
 
 
 def buffer_append(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
@@ -85,12 +88,14 @@ def buffer_clear(session: RealtimeSession, data: dict[str, Any], event_id: str |
 
 
 def item_create(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
-    item = item_from_client(data.get("item"))
+    item = item_from_client(data.get("item"), session.items)
     previous = data.get("previous_item_id")
     if previous is not None and not isinstance(previous, str):
         raise ProtocolError("previous_item_id must be a string", param="previous_item_id")
     before = session.items.add(item, previous)
     session.sync_history()
+    if item.type == "function_call_output":
+        session.tools.output_came(item.fields["call_id"])
     session.outbox.item_added(item, before)
     session.outbox.item_done(item)
 
@@ -102,7 +107,7 @@ def item_retrieve(session: RealtimeSession, data: dict[str, Any], event_id: str 
 def item_delete(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
     item = session.items.get(data.get("item_id"))
     reply = session.reply
-    if reply is not None and reply.item is item:
+    if reply is not None and item in reply.outputs:
         raise ProtocolError(
             "the item is being generated: cancel the response first", param="item_id"
         )
@@ -114,7 +119,8 @@ def item_delete(session: RealtimeSession, data: dict[str, Any], event_id: str | 
 def item_truncate(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
     """Cut an assistant audio item to what the client played (`audio_end_ms`)."""
     item = session.items.get(data.get("item_id"))
-    if item.role != "assistant" or item.content[0].get("type") != "output_audio":
+    audio = item.type == "message" and item.content and item.content[0].get("type")
+    if item.role != "assistant" or audio != "output_audio":
         raise ProtocolError("only an assistant audio item can be truncated", param="item_id")
     if data.get("content_index", 0) != 0:
         raise ProtocolError("content_index must be 0", param="content_index")

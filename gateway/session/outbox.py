@@ -46,22 +46,27 @@ class Transport(Protocol):
 
 
 def _where(reply: Reply) -> dict[str, Any]:
+    """Where the reply's message is."""
     assert reply.item is not None
     return {
         "response_id": reply.response_id,
         "item_id": reply.item.id,
-        "output_index": 0,
+        "output_index": reply.output_index(reply.item),
         "content_index": 0,
+    }
+
+
+def _call(reply: Reply, item: Item) -> dict[str, Any]:
+    """Where one of the reply's calls is."""
+    return {
+        "response_id": reply.response_id,
+        "item_id": item.id,
+        "output_index": reply.output_index(item),
     }
 
 
 def _part(reply: Reply, text: str) -> dict[str, Any]:
     return {"type": "audio", "transcript": text} if reply.audio else {"type": "text", "text": text}
-
-
-def _item(reply: Reply) -> dict[str, Any]:
-    assert reply.item is not None
-    return reply.item.to_json()
 
 
 class Outbox:
@@ -72,6 +77,7 @@ class Outbox:
         self.call_id = call_id
         self.transport: Transport | None = None
         self.closed = False
+        self.extensions = True  # the gateway's omni.* events go out too
         self._pending: list[dict[str, Any]] = []
 
     def bind(self, transport: Transport) -> None:
@@ -81,7 +87,7 @@ class Outbox:
             transport.send_event(event)
 
     def send(self, event: dict[str, Any]) -> None:
-        if self.closed:
+        if self.closed or (not self.extensions and event["type"].startswith("omni.")):
             return
         if self.transport is None:
             self._pending.append(event)
@@ -203,8 +209,8 @@ class Outbox:
         )
         self.send(ev.event("response.created", response=response))
 
-    def output_item_added(self, reply: Reply) -> None:
-        self._output_item("added", reply)
+    def output_item_added(self, reply: Reply, item: Item) -> None:
+        self._output_item("added", reply, item)
 
     def content_part_added(self, reply: Reply) -> None:
         self.send(ev.event("response.content_part.added", **_where(reply), part=_part(reply, "")))
@@ -236,18 +242,67 @@ class Outbox:
             ev.event("response.content_part.done", **_where(reply), part=_part(reply, reply.text))
         )
 
-    def output_item_done(self, reply: Reply) -> None:
-        self._output_item("done", reply)
+    def output_item_done(self, reply: Reply, item: Item) -> None:
+        self._output_item("done", reply, item)
 
-    def _output_item(self, name: str, reply: Reply) -> None:
+    def _output_item(self, name: str, reply: Reply, item: Item) -> None:
         self.send(
             ev.event(
                 f"response.output_item.{name}",
                 response_id=reply.response_id,
-                output_index=0,
-                item=_item(reply),
+                output_index=reply.output_index(item),
+                item=item.to_json(),
             )
         )
+
+    # -- a reply's calls -------------------------------------------------------------------
+
+    def function_arguments_delta(self, reply: Reply, item: Item, delta: str) -> None:
+        self.send(
+            ev.event(
+                "response.function_call_arguments.delta",
+                **_call(reply, item),
+                call_id=item.fields["call_id"],
+                delta=delta,
+            )
+        )
+
+    def function_arguments_done(self, reply: Reply, item: Item) -> None:
+        self.send(
+            ev.event(
+                "response.function_call_arguments.done",
+                **_call(reply, item),
+                call_id=item.fields["call_id"],
+                name=item.fields["name"],
+                arguments=item.fields["arguments"],
+            )
+        )
+
+    def mcp_arguments_delta(self, reply: Reply, item: Item, delta: str) -> None:
+        self.send(ev.event("response.mcp_call_arguments.delta", **_call(reply, item), delta=delta))
+
+    def mcp_arguments_done(self, reply: Reply, item: Item) -> None:
+        self.send(
+            ev.event(
+                "response.mcp_call_arguments.done",
+                **_call(reply, item),
+                arguments=item.fields["arguments"],
+            )
+        )
+
+    def mcp_call(self, name: str, reply: Reply, item: Item) -> None:
+        """response.mcp_call.in_progress, .completed or .failed."""
+        self.send(
+            ev.event(
+                f"response.mcp_call.{name}",
+                item_id=item.id,
+                output_index=reply.output_index(item),
+            )
+        )
+
+    def mcp_list_tools(self, name: str, item_id: str) -> None:
+        """mcp_list_tools.in_progress, .completed or .failed."""
+        self.send(ev.event(f"mcp_list_tools.{name}", item_id=item_id))
 
     def response_done(
         self, reply: Reply, status: str, details: dict[str, Any] | None = None
@@ -258,7 +313,7 @@ class Outbox:
             reply.response_id,
             status,
             audio=reply.audio,
-            item=_item(reply),
+            output=[item.to_json() for item in reply.outputs],
             status_details=details,
             metadata=reply.metadata,
         )

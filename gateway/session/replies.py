@@ -47,6 +47,12 @@ class Replies:
         # what each recent assistant audio item said when, for conversation.item.truncate
         self.trackers: collections.OrderedDict[str, SpokenTracker] = collections.OrderedDict()
         self.interrupted_at: collections.deque[float] = collections.deque(maxlen=100)
+        # called as each reply is generated (status): the session's follow-ups of its calls
+        self.on_generated: Callable[[Reply, str], None] = lambda reply, status: None
+        self.on_calls_ended: Callable[[Reply], None] = lambda reply: None  # ... or is cut
+        # a reply that called functions, still playing its words while the reply that
+        # follows the calls starts: its audio plays out before the new reply's
+        self.finishing: Reply | None = None
 
     def current_for(self, response_id: str) -> Reply | None:
         """The current reply if it is `response_id` (records of any other are stragglers)."""
@@ -81,60 +87,148 @@ class Replies:
 
     # -- started -------------------------------------------------------------------------------
 
-    def start(self, response_id: str, turn_id: int, audio: bool, started_ns: int) -> Reply:
+    def start(
+        self, response_id: str, turn_id: int, audio: bool, tools: bool, started_ns: int
+    ) -> Reply:
         """RESPONSE_STARTED: the reply asked for becomes the one the caller hears (a reply
         still current was let go of first, gateway.session.stop). `turn_id`: the caller's
-        turn it answers, -1 for a response.create's."""
+        turn it answers, -1 for a response.create's. `tools`: it may call functions, so its
+        message is made only when it says something."""
         assert self.current is None
         reply = self.created.pop(response_id, None)
         if reply is None and turn_id >= 0 and self.turn_asked is not None:
             reply, self.turn_asked = self.turn_asked, None
         self.forget_asked()  # whichever started, the turn's ask is answered
         reply = reply or Reply(response_id)
-        content = (
-            {"type": "output_audio", "transcript": ""}
-            if audio
-            else {"type": "output_text", "text": ""}
-        )
-        item = Item(new_id("item"), "assistant", [content], "in_progress")
-        reply.start(response_id, item, audio, started_ns)
+        reply.start(response_id, audio, tools, started_ns)
         self.spans.reply_started(reply, turn_id)
         self.current = reply
-        if audio:
+        self.outbox.response_created(reply)
+        if not tools:
+            self.message(reply)
+        return reply
+
+    def message(self, reply: Reply) -> Item:
+        """The reply's message item, made and announced if it has none yet."""
+        if reply.item is not None:
+            return reply.item
+        content = (
+            {"type": "output_audio", "transcript": ""}
+            if reply.audio
+            else {"type": "output_text", "text": ""}
+        )
+        item = reply.item = Item(new_id("item"), "assistant", [content], "in_progress")
+        if reply.audio:
             self.trackers[item.id] = reply.tracker
             while len(self.trackers) > TRACKERS_KEPT:
                 self.trackers.popitem(last=False)
-        self.outbox.response_created(reply)
-        previous = self.items.add(item)
-        self.outbox.output_item_added(reply)
-        self.outbox.item_added(item, previous)
+        self._output(reply, item)
         self.outbox.content_part_added(reply)
-        return reply
+        return item
+
+    def _output(self, reply: Reply, item: Item) -> None:
+        reply.outputs.append(item)
+        previous = self.items.add(item)
+        self.outbox.output_item_added(reply, item)
+        self.outbox.item_added(item, previous)
 
     def text_delta(self, reply: Reply, text: str) -> None:
+        self.message(reply)
         reply.text += text
         self.outbox.text_delta(reply, text)
 
+    # -- its calls -----------------------------------------------------------------------------
+
+    def call_started(self, reply: Reply, index: int, item: Item) -> None:
+        """The reply calls a function (`item`: a function_call or an mcp_call)."""
+        reply.calls[index] = item
+        self._output(reply, item)
+
+    def call_arguments(self, reply: Reply, index: int, delta: str) -> None:
+        item = reply.calls.get(index)
+        if item is None or item.status != "in_progress":
+            return
+        item.fields["arguments"] += delta
+        if item.type == "function_call":
+            self.outbox.function_arguments_delta(reply, item, delta)
+        else:
+            self.outbox.mcp_arguments_delta(reply, item, delta)
+
+    def call_made(self, reply: Reply, index: int, arguments: str) -> None:
+        """A call's arguments are whole (as the reasoning stage checked them)."""
+        item = reply.calls[index]
+        item.fields["arguments"] = arguments
+        if item.type == "function_call":
+            item.status = "completed"
+            self.outbox.function_arguments_done(reply, item)
+            self._call_done(reply, item)
+        else:
+            self.outbox.mcp_arguments_done(reply, item)
+            self.outbox.mcp_call("in_progress", reply, item)
+            reply.mcp_running += 1
+
+    def call_bad(self, reply: Reply, index: int, reason: str) -> None:
+        """A call the model made wrong (no such tool, arguments no JSON object): it ends
+        incomplete, and the client has an `error` naming why."""
+        item = reply.calls.get(index)
+        if item is not None and item.status == "in_progress":
+            if item.type == "mcp_call":
+                item.fields["error"] = {"type": "tool_execution_error", "message": reason}
+            self._call_done(reply, item, "incomplete")
+
+    def mcp_answered(
+        self, reply: Reply, item: Item, output: str | None, error: dict[str, Any] | None
+    ) -> None:
+        """An MCP call came back (`output`), or failed (`error`, in the API's form)."""
+        if item.status != "in_progress":
+            return  # cut meanwhile: the late answer is dropped
+        item.fields["output"], item.fields["error"] = output, error
+        self.outbox.mcp_call("failed" if error else "completed", reply, item)
+        self._call_done(reply, item, "failed" if error else "completed")
+        reply.mcp_running -= 1
+        heard_all = reply.audio_done or not reply.audio or reply.item is None
+        if reply.mcp_running == 0 and reply.text_done and heard_all:
+            self._generated(reply, "completed")
+
+    def _call_done(self, reply: Reply, item: Item, status: str = "completed") -> None:
+        item.status = status
+        self.outbox.item_done(item)
+        self.outbox.output_item_done(reply, item)
+
+    def end_calls(self, reply: Reply) -> None:
+        """The reply was cut: the calls it was still making end incomplete (an MCP call's
+        answer, should it come, is dropped)."""
+        self.on_calls_ended(reply)
+        for item in reply.calls.values():
+            if item.status == "in_progress":
+                if item.type == "mcp_call":
+                    reply.mcp_running -= 1
+                self._call_done(reply, item, "incomplete")
+
+    # -- its end -------------------------------------------------------------------------------
+
     def text_done(self, reply: Reply, text: str, status: str) -> None:
         """The reasoning stage finished the reply's text (the audio may still be coming)."""
-        assert reply.item is not None
         reply.text, reply.text_done = text, True
-        if reply.audio:
-            reply.item.content[0]["transcript"] = text
-            self.outbox.audio_transcript_done(reply)
-            if status == "completed" and not reply.audio_done:
-                return  # AUDIO_DONE finishes it
-        else:
-            reply.item.content[0]["text"] = text
-            self.outbox.output_text_done(reply)
+        if reply.item is not None or not reply.calls:
+            item = self.message(reply)
+            if reply.audio:
+                item.content[0]["transcript"] = text
+                self.outbox.audio_transcript_done(reply)
+            else:
+                item.content[0]["text"] = text
+                self.outbox.output_text_done(reply)
+        if status == "completed" and reply.audio and not reply.audio_done and reply.item:
+            return  # AUDIO_DONE finishes it
         self._generated(reply, status)
 
     def audio_done(self, reply: Reply) -> None:
         if reply.state is not ReplyState.STARTED:
             return  # it failed already: its response.done is out
-        if (transport := self.outbox.transport) is not None:
+        if (transport := self.outbox.transport) is not None and reply.item is not None:
             transport.audio_end(reply)
-        self.outbox.output_audio_done(reply)
+        if reply.item is not None:
+            self.outbox.output_audio_done(reply)
         reply.audio_done = True
         if reply.text_done:
             self._generated(reply, "completed")
@@ -143,22 +237,28 @@ class Replies:
     def _generated(self, reply: Reply, status: str) -> None:
         if reply.state is not ReplyState.STARTED:
             return  # finished already (a failed reply's audio still ended)
-        assert reply.item is not None
+        if status == "completed" and reply.mcp_running:
+            return  # the last MCP call's answer finishes it
+        if status != "completed":
+            self.end_calls(reply)
         reply.move(ReplyState.GENERATED)
         self.spans.generated(reply, status)
-        self.outbox.content_part_done(reply)
-        reply.item.status = "completed" if status == "completed" else "incomplete"
-        self.outbox.output_item_done(reply)
-        self.outbox.item_done(reply.item)
+        if (item := reply.item) is not None:
+            self.outbox.content_part_done(reply)
+            item.status = "completed" if status == "completed" else "incomplete"
+            self.outbox.output_item_done(reply, item)
+            self.outbox.item_done(item)
         self.outbox.response_done(reply, status)
         transport = self.outbox.transport
-        if reply.audio and transport is not None:
+        if reply.audio and reply.item is not None and transport is not None:
             transport.finish(reply)  # it calls `played` once the caller has heard it all
         elif self.current is reply:
-            reply.move(ReplyState.PLAYED)  # text: the client has it all
+            reply.move(ReplyState.PLAYED)  # text, or calls only: the client has it all
             self.current = None
+        self.on_generated(reply, status)
 
     def phrase(self, reply: Reply, text: str) -> None:
+        self.message(reply)
         reply.tracker.phrase(text)
 
     def audio(self, pcm: np.ndarray) -> None:
@@ -171,6 +271,7 @@ class Replies:
         assert reply.response_id is not None
         if not self.voice_ahead.owns(reply.response_id):
             return  # the rest of a reply this one superseded
+        self.message(reply)
         reply.tracker.audio(len(pcm))
         if not reply.first_audio_ns:
             reply.first_audio_ns = time.monotonic_ns()
@@ -187,10 +288,24 @@ class Replies:
 
     def played(self, response_id: str) -> None:
         """The transport played a finished reply to its end."""
-        if (reply := self.current_for(response_id)) is not None:
+        finishing = self.finishing
+        if finishing is not None and finishing.response_id == response_id:
+            self.finishing = None
+            finishing.move(ReplyState.PLAYED)
+            self.spans.played(finishing)
+        elif (reply := self.current_for(response_id)) is not None:
             reply.move(ReplyState.PLAYED)
             self.current = None
             self.spans.played(reply)
+
+    def hand_over(self) -> bool:
+        """The reply that follows the current one's calls is asked for: the current one, all
+        of it made, plays on before it (`finishing`). False if there is no such reply."""
+        reply = self.current
+        if reply is None or reply.state is not ReplyState.GENERATED or not reply.calls:
+            return False
+        self.finishing, self.current = reply, None
+        return True
 
     def heard_text(self, reply: Reply, heard_samples: int) -> str:
         """What the caller heard of `reply` after `heard_samples` of its audio."""

@@ -82,7 +82,11 @@ class Reply:
     metadata: dict[str, Any] | None = None  # response.create's
     state: ReplyState = ReplyState.ASKED
     # set as it starts:
-    item: Item | None = None
+    item: Item | None = None  # its message; with tools, made as its first words come
+    outputs: list[Item] = field(default_factory=list)  # its output items, in order
+    calls: dict[int, Item] = field(default_factory=dict)  # its calls, by their index in it
+    tools: bool = False  # it may call functions (and then may say nothing)
+    mcp_running: int = 0  # MCP calls not yet answered: it is not generated before they are
     audio: bool = True  # spoken (False: text only)
     started_ns: int = 0  # the RESPONSE_STARTED record's stamp
     tracker: SpokenTracker = field(default_factory=SpokenTracker)
@@ -100,12 +104,24 @@ class Reply:
             )
         self.state = state
 
-    def start(self, response_id: str, item: Item, audio: bool, started_ns: int) -> None:
+    def start(self, response_id: str, audio: bool, tools: bool, started_ns: int) -> None:
         self.move(ReplyState.STARTED)
         self.response_id = response_id
-        self.item = item
         self.audio = audio
+        self.tools = tools
         self.started_ns = started_ns
+
+    def output_index(self, item: Item) -> int:
+        return self.outputs.index(item)
+
+    @property
+    def function_calls(self) -> list[Item]:
+        """Its calls of the client's functions (not MCP calls), made whole."""
+        return [
+            item
+            for item in self.calls.values()
+            if item.type == "function_call" and item.status == "completed"
+        ]
 
     @property
     def in_progress(self) -> bool:

@@ -108,13 +108,16 @@ def cut(
     """Stop the reply the caller hears and purge every stage of it. `heard_samples` (at the
     vocoder's rate) overrides what the transport says was played, for a client that reports
     it (conversation.item.truncate); the cancel carries the heard text to reasoning."""
-    silenced = _silence(replies, heard_samples)
+    silenced = _silence(replies, heard_samples, reason, log)
     if silenced is None:
         return
     reply, heard_samples = silenced
     heard = replies.heard_text(reply, heard_samples)
     assert reply.response_id is not None
     replies.forget_asked()  # the cancel purges that too
+    for asked in replies.created.values():  # and the replies asked for and not started
+        asked.move(ReplyState.CUT)
+    replies.created.clear()
     cancels.send(reply.response_id, heard, reason)  # first: the stages stop at once
     replies.voice_ahead.clear()  # of the epoch just cancelled: its reply never starts
     _tell_client(replies, reply, reason, heard, heard_samples, log)
@@ -122,7 +125,7 @@ def cut(
 
 def let_go(replies: Replies, reason: str, log: logging.LoggerAdapter[Any]) -> None:
     """Stop playing the current reply and tell the client, cancelling nothing."""
-    silenced = _silence(replies, None)
+    silenced = _silence(replies, None, reason, log)
     if silenced is not None:
         reply, heard_samples = silenced
         heard = replies.heard_text(reply, heard_samples)
@@ -179,7 +182,7 @@ def lost(replies: Replies, error: dict[str, Any], log: logging.LoggerAdapter[Any
     replies.voice_ahead.clear()
     if replies.current is None or not replies.current.in_progress:
         return  # all of it was made: the caller hears it to its end
-    silenced = _silence(replies, None)
+    silenced = _silence(replies, None, "stage_lost", log)
     if silenced is not None:
         reply, heard_samples = silenced
         heard = replies.heard_text(reply, heard_samples)
@@ -187,12 +190,24 @@ def lost(replies: Replies, error: dict[str, Any], log: logging.LoggerAdapter[Any
         _tell_client(replies, reply, "stage_lost", heard, heard_samples, log, details)
 
 
-def _silence(replies: Replies, heard_samples: int | None) -> tuple[Reply, int] | None:
+def _silence(
+    replies: Replies, heard_samples: int | None, reason: str, log: logging.LoggerAdapter[Any]
+) -> tuple[Reply, int] | None:
     """Drop the current reply's queued audio; the reply and how much of it the caller heard,
-    or None if there is none playing."""
+    or None if there is none playing. A reply whose words still played before the current
+    one (`Replies.finishing`) goes quiet too: it is the one returned if there is no current
+    one, else the client is told here what was heard of it."""
     reply, transport = replies.current, replies.outbox.transport
-    if reply is None or transport is None:
+    finishing, replies.finishing = replies.finishing, None
+    if transport is None or (reply is None and finishing is None):
         return None
+    if reply is None:
+        reply, finishing = finishing, None
+    elif finishing is not None:
+        heard = transport.heard_samples(finishing)
+        text = replies.heard_text(finishing, heard)
+        _tell_client(replies, finishing, reason, text, heard, log)
+    assert reply is not None
     replies.current = None
     transport.clear()
     replies.interrupted_at.append(time.monotonic())
@@ -213,16 +228,20 @@ def _tell_client(
     """The client's events for a reply cut after `heard_samples`: the cleared playback, the
     item truncated to what was heard, and the reply's end if it was still being made
     (cancelled, or with `failed`'s details, failed)."""
-    assert reply.item is not None and replies.outbox.transport is not None
+    assert replies.outbox.transport is not None
     if reason == "barge_in":
         replies.metrics.barge_ins.inc()
-    if replies.outbox.transport.kind == "webrtc" and reply.audio:
+    item = reply.item  # None: a reply that had only called functions
+    if replies.outbox.transport.kind == "webrtc" and reply.audio and item is not None:
         replies.outbox.output_buffer_cleared(reply.response_id or "")
-    reply.item.content[0]["transcript" if reply.audio else "text"] = heard
-    if reply.audio and reply.samples:
-        replies.outbox.item_truncated(reply.item.id, heard_samples * 1000 // replies.vocoder_rate)
+    if item is not None:
+        item.content[0]["transcript" if reply.audio else "text"] = heard
+        if reply.audio and reply.samples:
+            replies.outbox.item_truncated(item.id, heard_samples * 1000 // replies.vocoder_rate)
     if reply.in_progress:
-        reply.item.status = "incomplete"
+        replies.end_calls(reply)  # a call half made, or an MCP call whose answer is dropped
+        if item is not None:
+            item.status = "incomplete"
         if failed is not None:
             replies.outbox.response_done(reply, "failed", failed)
         else:

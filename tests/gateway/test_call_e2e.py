@@ -303,7 +303,7 @@ async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> No
             "frames_in": call.audio_in_frames,
             "turns": call.turn_id,
             "awaiting_transcript": sorted(call.awaiting_transcript),
-            "said": call.items.history(),  # items with text: (role, text)
+            "said": [(m.role, m.text) for m in call.items.history()],
             "responding": call.response is not None,
         }
         playout = getattr(call.transport, "playout", None)

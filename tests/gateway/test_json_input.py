@@ -67,5 +67,5 @@ def test_the_history_sent_to_reasoning_is_the_newest_that_fits_one_record() -> N
             Item(f"item_{i}", "user", [{"type": "input_text", "text": f"{i} " + "x" * 50_000}])
         )
     history = conversation.history(max_bytes=200_000)
-    assert [text.split()[0] for _, text in history] == ["7", "8", "9"]
-    assert sum(len(t) for _, t in history) <= 200_000
+    assert [m.text.split()[0] for m in history] == ["7", "8", "9"]
+    assert sum(len(m.text) for m in history) <= 200_000

@@ -76,7 +76,37 @@ def test_semantic_vad_is_rendered_with_its_own_fields() -> None:
         ({"audio": {"input": {"turn_detection": {"idle_timeout_ms": 10}}}}, "idle_timeout_ms"),
         ({"audio": {"input": {"turn_detection": {"threshold": 2}}}}, "threshold"),
         ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "noise_reduction"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),
+        ({"tools": [{"type": "function", "name": "no spaces"}]}, "session.tools[0].name"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+            "session.tools[0].parameters",
+        ),
+        (
+            {"tools": [{"name": "f", "parameters": {"type": "object", "required": 3}}]},
+            "session.tools[0].parameters",
+        ),
+        ({"tools": [{"name": "f"}, {"name": "f"}]}, "session.tools"),
+        (
+            {"tools": [{"type": "mcp", "server_label": "m", "server_url": "http://127.0.0.1/"}]},
+            "session.tools[0].require_approval",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "mcp",
+                        "server_label": "m",
+                        "server_url": "ftp://x",
+                        "require_approval": "never",
+                    }
+                ]
+            },
+            "session.tools[0].server_url",
+        ),
+        ({"tool_choice": "sometimes"}, "session.tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "absent"}}, "session.tool_choice"),
+        ({"tool_choice": "required"}, "session.tool_choice"),
+        ({"parallel_tool_calls": "yes"}, "session.parallel_tool_calls"),
         ({"output_modalities": ["text", "audio"]}, "session.output_modalities"),
         ({"max_output_tokens": 0}, "session.max_output_tokens"),
         ({"type": "transcription"}, "session.type"),
@@ -122,9 +152,10 @@ def test_conversation_items_insert_delete_and_history() -> None:
         {"id": "item_c", "role": "system", "content": [{"type": "input_text", "text": "rule"}]}
     )
     assert conv.add(c, "root") is None
-    assert conv.history() == [("system", "rule"), ("user", "hi"), ("assistant", "hello")]
+    said = [(m.role, m.text) for m in conv.history()]
+    assert said == [("system", "rule"), ("user", "hi"), ("assistant", "hello")]
     conv.delete(a.id)
-    assert [r for r, _ in conv.history()] == ["system", "assistant"]
+    assert [m.role for m in conv.history()] == ["system", "assistant"]
     with pytest.raises(ProtocolError) as err:
         conv.get("nope")
     assert err.value.code == "not_found"
@@ -138,7 +169,11 @@ def test_conversation_items_insert_delete_and_history() -> None:
 @pytest.mark.parametrize(
     ("item", "param"),
     [
-        ({"type": "function_call"}, "item.type='function_call'"),
+        ({"type": "function_call"}, "item.call_id"),
+        ({"type": "function_call", "call_id": "c", "name": "f", "arguments": 3}, "item.arguments"),
+        ({"type": "function_call_output", "call_id": "c"}, "item.output"),
+        ({"type": "mcp_call"}, "item.type='mcp_call'"),
+        ({"type": "tool_result"}, "item.type"),
         ({"role": "robot", "content": [{"type": "input_text", "text": "x"}]}, "item.role"),
         ({"role": "user", "content": []}, "item.content"),
         ({"role": "user", "content": [{"type": "input_audio", "audio": "AAAA"}]}, "input_audio"),

@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 
 from gateway.client import Microphone, RealtimeCall, typed_event
 from gateway.config import load_config
-from stages.audio import resample
+from tests.gateway.sdk_events import Events, decode_audio, pcm24k_b64, text_turn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
@@ -53,51 +53,6 @@ def sdk(base: str, key: str = KEY) -> AsyncOpenAI:
     return AsyncOpenAI(
         api_key=key, base_url=f"{base}/v1", websocket_base_url=base.replace("http", "ws") + "/v1"
     )
-
-
-class Events:
-    """What a connection received, as dicts, with waits that skip what they do not want."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.seen: list[dict[str, Any]] = []
-
-    async def next(self, *types: str, timeout: float = 30) -> dict[str, Any]:
-        """The next event of one of `types`; an unexpected `error` fails the test."""
-        async with asyncio.timeout(timeout):
-            while True:
-                # (the SDK's models know no audio/opus: no warnings about it)
-                event = (await self.conn.recv()).to_dict(warnings=False)
-                self.seen.append(event)
-                if event["type"] in types:
-                    return event
-                assert event["type"] != "error", f"server error: {event['error']}"
-
-    def types(self) -> list[str]:
-        return [e["type"] for e in self.seen]
-
-
-def pcm24k_b64(pcm16k: np.ndarray, chunk_ms: int = 100) -> list[str]:
-    pcm = resample(pcm16k, 16000, 24000).astype("<i2")
-    step = 24 * chunk_ms
-    return [
-        base64.b64encode(pcm[i : i + step].tobytes()).decode() for i in range(0, len(pcm), step)
-    ]
-
-
-def decode_audio(deltas: list[dict[str, Any]]) -> np.ndarray:
-    raw = b"".join(base64.b64decode(d["delta"]) for d in deltas)
-    return np.frombuffer(raw, dtype="<i2")
-
-
-async def text_turn(conn: Any, events: Events, text: str, **response: Any) -> dict[str, Any]:
-    await conn.conversation.item.create(
-        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-    )
-    added = await events.next("conversation.item.added")
-    assert added["item"]["role"] == "user" and added["item"]["content"][0]["text"] == text
-    await conn.response.create(response=response or None)
-    return await events.next("response.created")
 
 
 async def test_session_update_applies_and_refuses_what_is_not_built(base) -> None:
@@ -316,11 +271,11 @@ async def test_bad_input_gets_errors_and_the_session_goes_on(base) -> None:
             {
                 "type": "response.create",
                 "event_id": "evt_tools",
-                "response": {"tools": [{"type": "function", "name": "f"}]},
+                "response": {"tools": [{"type": "function", "name": "a function"}]},
             }
         )
         error = (await events.next("error"))["error"]
-        assert error["event_id"] == "evt_tools" and error["param"] == "response.tools"
+        assert error["event_id"] == "evt_tools" and error["param"] == "response.tools[0].name"
         # the connection survived all of it
         await text_turn(conn, events, "are you still there", output_modalities=["text"])
         assert (await events.next("response.done", timeout=60))["response"]["status"] == "completed"
