@@ -11,6 +11,7 @@ them, its arguments a JSON object) and returns the good calls and the bad.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -121,8 +122,12 @@ class ToolCalls:
         """SamplingParams fields the parser asked for: the JSON schema a required or named
         call must follow, and the special tokens some formats mark calls with."""
         extra: dict[str, Any] = {"skip_special_tokens": self.request.skip_special_tokens}
-        if self.request.structured_outputs is not None:
-            extra["structured_outputs"] = self.request.structured_outputs
+        constraint = self.request.structured_outputs
+        if constraint is not None:
+            if constraint.structural_tag is not None:
+                tag = _compact(json.loads(constraint.structural_tag))
+                constraint = dataclasses.replace(constraint, structural_tag=json.dumps(tag))
+            extra["structured_outputs"] = constraint
         return extra
 
     def feed(self, text: str, token_ids: Sequence[int], finished: bool = False) -> list[Piece]:
@@ -187,6 +192,21 @@ class ToolCalls:
             else:
                 bad.append(BadToolCall(index, name, held["arguments"], reason))
         return good, bad
+
+
+def _compact(node: Any) -> Any:
+    """A structural tag whose JSON allows no runs of whitespace: JSON's grammar allows any
+    amount between tokens, and a model that is unsure (a small one, a random one) can spend
+    its whole token budget on it, the call never closed. Arguments stay JSON all the same."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and node.get("max_whitespace_cnt") is None:
+            node["max_whitespace_cnt"] = 1
+        for value in node.values():
+            _compact(value)
+    elif isinstance(node, list):
+        for value in node:
+            _compact(value)
+    return node
 
 
 def _fault(name: str, arguments: str, names: set[str]) -> str | None:

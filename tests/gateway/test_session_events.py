@@ -524,3 +524,113 @@ def test_a_stage_restart_fails_the_reply_being_made_and_frees_the_next_create() 
     session.on_client_message('{"type": "response.create"}')
     creates = [args for name, args in link.calls if name == "create_response"]
     assert len(creates) == 2  # the refused one never reached the stages; this one did
+
+
+def _tool_session() -> tuple[RealtimeSession, RecordingTransport, RecordingLink]:
+    config = SessionConfig(voice="v")
+    config.apply({"tools": [{"type": "function", "name": "get_weather"}]})
+    link = RecordingLink()
+    session = RealtimeSession("sess_f", link, 1, 22050, GatewayMetrics(), config, print)
+    transport = RecordingTransport()
+    session.bind(transport)
+    return session, transport, link
+
+
+async def test_a_reply_that_calls_functions_says_its_words_then_makes_its_calls() -> None:
+    """Words before a call are the reply's message; each call is an output item of its own
+    with its arguments streamed; a call the model got wrong is an error, not a call."""
+    from stages.messages import (
+        AudioDone,
+        BadToolCall,
+        ResponseDone,
+        ResponseStarted,
+        TextDelta,
+        ToolArguments,
+        ToolCall,
+        ToolCallStarted,
+    )
+
+    session, transport, _ = _tool_session()
+
+    def stage(kind: Kind, msg: Any) -> None:
+        name = "vocoder" if kind is Kind.AUDIO_DONE else "reasoning"
+        session.on_stage_event(Envelope(name, kind, 1, 0, 0, 0, msg))
+
+    stage(Kind.RESPONSE_STARTED, ResponseStarted("resp_1", -1, tools=True))
+    assert not [e for e in transport.events if e["type"] == "response.output_item.added"]
+    stage(Kind.TEXT_DELTA, TextDelta("resp_1", "Let me check.", 0))
+    stage(Kind.TOOL_CALL, ToolCallStarted("resp_1", 0, "call_a", "get_weather"))
+    for delta in ('{"city": ', '"Paris"}'):
+        stage(Kind.TOOL_ARGUMENTS, ToolArguments("resp_1", 0, delta))
+    made = ToolCall("call_a", "get_weather", '{"city": "Paris"}')
+    wrong = BadToolCall(1, "launch_rockets", "{}", "not one of the tools")
+    stage(
+        Kind.RESPONSE_DONE,
+        ResponseDone("resp_1", "completed", "Let me check.", tool_calls=[made], bad_calls=[wrong]),
+    )
+    assert not [e for e in transport.events if e["type"] == "response.done"]  # audio to come
+    stage(Kind.AUDIO_DONE, AudioDone("resp_1", "completed"))
+
+    added = [e for e in transport.events if e["type"] == "response.output_item.added"]
+    assert [(e["item"]["type"], e["output_index"]) for e in added] == [
+        ("message", 0),
+        ("function_call", 1),
+    ]
+    deltas = [e for e in transport.events if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(e["delta"] for e in deltas) == made.arguments
+    assert all(e["output_index"] == 1 and e["call_id"] == "call_a" for e in deltas)
+    [done] = [e for e in transport.events if e["type"] == "response.function_call_arguments.done"]
+    assert done["arguments"] == made.arguments and done["name"] == "get_weather"
+    errors = [e["error"] for e in transport.events if e["type"] == "error"]
+    assert [e["code"] for e in errors] == ["invalid_tool_call"]
+    assert "launch_rockets" in errors[0]["message"]
+    [response] = [e["response"] for e in transport.events if e["type"] == "response.done"]
+    assert [(o["type"], o["status"]) for o in response["output"]] == [
+        ("message", "completed"),
+        ("function_call", "completed"),
+    ]
+    # the history the reasoning stage gets keeps the words and the call together
+    [history] = [m for m in session.items.history() if m.role == "assistant"]
+    assert history.text == "Let me check." and history.tool_calls == [made]
+
+
+async def test_the_reply_after_the_calls_plays_after_their_words_and_a_barge_in_stops_both() -> (
+    None
+):
+    from stages.messages import (
+        AudioDone,
+        ResponseDone,
+        ResponseStarted,
+        TextDelta,
+        ToolCall,
+        ToolCallStarted,
+    )
+
+    session, _, link = _tool_session()
+    kinds = {ResponseStarted: Kind.RESPONSE_STARTED, TextDelta: Kind.TEXT_DELTA}
+    kinds |= {ToolCallStarted: Kind.TOOL_CALL, ResponseDone: Kind.RESPONSE_DONE}
+
+    def stage(msg: Any) -> None:
+        kind = kinds.get(type(msg), Kind.AUDIO_DONE)
+        session.on_stage_event(Envelope("reasoning", kind, 1, 0, 0, 0, msg))
+
+    stage(ResponseStarted("resp_1", -1, tools=True))
+    stage(TextDelta("resp_1", "Let me check.", 0))
+    stage(ToolCallStarted("resp_1", 0, "call_a", "get_weather"))
+    call = ToolCall("call_a", "get_weather", "{}")
+    stage(ResponseDone("resp_1", "completed", "Let me check.", tool_calls=[call]))
+    stage(AudioDone("resp_1", "completed"))
+    first = session.replies.current  # made whole; its words still playing
+    assert first is not None and first.state.value == "generated"
+    session.on_client_message(
+        '{"type": "conversation.item.create", "item": {"type": "function_call_output",'
+        ' "call_id": "call_a", "output": "sunny"}}'
+    )
+    session.on_client_message('{"type": "response.create"}')
+    assert session.replies.finishing is first and session.replies.current is None
+    assert not [c for c in link.calls if c[0] == "cancel"]  # its words were not cut
+    stop.cut(session.replies, session.cancels, "barge_in", session.log)
+    assert session.replies.finishing is None and first.state.value == "cut"
+    assert [c for c in link.calls if c[0] == "cancel"]
+    assert not session.replies.created  # the follow-up the cancel purged is forgotten
+    assert not session.replies.active()

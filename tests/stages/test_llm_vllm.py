@@ -7,6 +7,7 @@ leaves it idle, and the abort tests check that nothing is left behind before the
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -19,7 +20,18 @@ import pytest_asyncio
 from stages.backends import model_cache, tiny_chat_model
 from stages.backends.llm_vllm import EngineConfigError, ModelNotFoundError, ReasoningEngine
 from stages.backends.tiny_chat_model import ensure_tiny_chat_model
+from stages.backends.tool_parsing import (
+    CallArguments,
+    CallStarted,
+    ToolCalls,
+    ToolTemplateError,
+    Words,
+    chat_tools,
+    parser_class,
+    tool_chat_template,
+)
 from stages.backends.vllm_stats import StepLog
+from stages.messages import Tool, Tools
 
 pytestmark = [
     pytest.mark.slow,
@@ -335,3 +347,122 @@ def test_the_step_log_times_busy_steps_by_kind(caplog: pytest.LogCaptureFixture)
         "max 10.0 ms; finishing a prefill (50 prompt tokens a step) 1, p50 20.0 ms, "
         "p99 20.0 ms, max 20.0 ms"
     )
+
+
+# -- function calling (stages.backends.tool_parsing) ------------------------------------------
+
+WEATHER = Tool(
+    "get_weather",
+    "The weather now in a city",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        }
+    ),
+)
+CLOCK = Tool("get_time", "The time now", '{"type": "object", "properties": {}}')
+
+
+async def _calls(engine: ReasoningEngine, tools: Tools, request_id: str) -> tuple[list, list]:
+    template = tool_chat_template(None, engine.tokenizer.chat_template)
+    calls = ToolCalls(tools, MESSAGES, parser_class("hermes", engine.tokenizer), engine.tokenizer)
+    sampling = {"max_tokens": 200, "ignore_eos": False, **calls.sampling()}
+    pieces = []
+    async for text, ids, finished in engine.generate_pieces(
+        request_id, MESSAGES, sampling, chat_tools(tools), template
+    ):
+        pieces += calls.feed(text, ids, finished)
+    good, bad = calls.finish()
+    assert not any(isinstance(p, Words) and p.text.strip() for p in pieces), pieces
+    started = [p for p in pieces if isinstance(p, CallStarted)]
+    assert [s.call_id for s in started[: len(good)]] == [c.call_id for c in good]
+    for call in good:
+        streamed = "".join(
+            p.delta for p in pieces if isinstance(p, CallArguments) and p.index == good.index(call)
+        )
+        assert streamed == call.arguments
+    return good, bad
+
+
+@module_loop
+async def test_a_random_model_makes_schema_valid_calls_when_they_are_required(
+    engine: ReasoningEngine,
+) -> None:
+    """Random weights and tool_choice required, or a named function: vLLM's structured
+    outputs hold the call to a tool's name and its arguments to the tool's schema."""
+    import jsonschema
+
+    schema = json.loads(WEATHER.parameters)
+    for tools in (
+        Tools([WEATHER], "required"),
+        Tools([WEATHER, CLOCK], "function", "get_weather"),
+        Tools([WEATHER, CLOCK], "required", parallel=False),
+    ):
+        good, bad = await _calls(engine, tools, f"tools-{tools.choice}-{tools.parallel}")
+        assert good, bad
+        # parallel calls go on until the token cap: only the last may be cut off there
+        assert [b.index for b in bad] in ([], [len(good)]), bad
+        if not tools.parallel:
+            assert len(good) == 1 and not bad
+        for call in good:
+            assert call.name in {"get_weather", "get_time"}
+            if call.name == "get_weather":
+                jsonschema.validate(json.loads(call.arguments), schema)
+    await _assert_idle(engine)
+
+
+def test_calls_the_model_got_wrong_are_reported_not_made(engine: ReasoningEngine) -> None:
+    """The hermes parser on written output: words before a call are words; a call of no such
+    tool, one cut off mid-arguments and a second one with parallel calls off are bad."""
+    tokenizer = engine.tokenizer
+    parser = parser_class("hermes", tokenizer, strict="auto")
+
+    def run(tools: Tools, output: str) -> tuple[list, list, list]:
+        calls = ToolCalls(tools, MESSAGES, parser, tokenizer)
+        ids = tokenizer.encode(output)
+        pieces = []
+        for i, token in enumerate(ids):  # a token at a time, as the engine streams them
+            pieces += calls.feed(tokenizer.decode([token]), [token], i == len(ids) - 1)
+        return pieces, *calls.finish()
+
+    pieces, good, bad = run(
+        Tools([WEATHER]),
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris", "days": 1}}\n</tool_call>',
+    )
+    said = "".join(p.text for p in pieces if isinstance(p, Words))
+    assert said.strip() == "Let me check." and [c.name for c in good] == ["get_weather"]
+    assert json.loads(good[0].arguments) == {"city": "Paris", "days": 1} and not bad
+
+    pieces, good, bad = run(
+        Tools([WEATHER]), '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>'
+    )
+    assert not good and "not one of the tools" in bad[0].reason
+    assert not any(isinstance(p, CallStarted) for p in pieces)  # never announced
+
+    _, good, bad = run(
+        Tools([WEATHER]), '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    )
+    assert not good and "not JSON" in bad[0].reason
+
+    two = (
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    )
+    _, good, bad = run(Tools([CLOCK], parallel=False), two)
+    assert len(good) == 1 and "parallel_tool_calls" in bad[0].reason
+
+
+def test_the_tool_template_is_the_models_own_or_the_builtin_chatml_one(tmp_path: Path) -> None:
+    assert tool_chat_template(None, "{{ tools }} {{ messages }}") is None
+    assert "<tool_call>" in (tool_chat_template(None, "<|im_start|>{{ messages }}") or "")
+    with pytest.raises(ToolTemplateError, match=r"reasoning\.tools\.chat_template"):
+        tool_chat_template(None, "[INST] {{ messages }}")
+    with pytest.raises(ToolTemplateError, match="no built-in"):
+        tool_chat_template("builtin:nope", None)
+    own = tmp_path / "t.jinja"
+    own.write_text("{{ tools }}")
+    assert tool_chat_template(str(own), None) == "{{ tools }}"
