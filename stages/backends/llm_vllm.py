@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -300,6 +301,9 @@ class ReasoningEngine:
             kwargs["tools"] = tools
         chat_params = ChatParams(chat_template=chat_template, chat_template_kwargs=kwargs)
         llm = self._llm
+        # a copy: the renderer rewrites messages in place (a call's arguments become a dict),
+        # and these are the session's history
+        messages = copy.deepcopy(messages)
         _, (prompt,) = await llm.renderer.render_chat_async([messages], chat_params)
         try:
             async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.messages import BadToolCall, ToolCall, Tools
+from stages.messages import BadToolCall, Tool, ToolCall, Tools
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -77,8 +77,14 @@ def parser_class(name: str, tokenizer: Any, strict: str = "parameter") -> type[P
     starts to a tool's name and its arguments to that tool's schema (the formats vLLM has a
     structural tag for, hermes among them), "function" the name only, "auto" leaves "auto"
     calls free."""
-    from vllm.parser.parser_manager import ParserManager
-    from vllm.tool_parsers import ToolParserManager
+    try:
+        from vllm.parser.parser_manager import ParserManager
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError as exc:
+        raise ToolParserError(
+            "function calling needs vLLM's unified parsers (vllm.parser, vLLM 0.32 and "
+            f"later); this vLLM has none: {exc}"
+        ) from None
 
     known = ToolParserManager.list_registered()
     if name not in known:
@@ -104,6 +110,12 @@ class ToolCalls:
 
         self.tools = tools
         self.names = {tool.name for tool in tools.tools}
+        # one function the reply must call (named, or the only tool under "required"): the
+        # model writes only its arguments, a third of the tokens of the call in its format
+        self.only: Tool | None = None
+        if tools.choice == "function" or (tools.choice == "required" and len(tools.tools) == 1):
+            wanted = tools.function or tools.tools[0].name
+            self.only = next(t for t in tools.tools if t.name == wanted)
         choice: Any = tools.choice
         if choice == "function":
             choice = {"type": "function", "function": {"name": tools.function}}
@@ -121,6 +133,12 @@ class ToolCalls:
     def sampling(self) -> dict[str, Any]:
         """SamplingParams fields the parser asked for: the JSON schema a required or named
         call must follow, and the special tokens some formats mark calls with."""
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if self.only is not None:
+            schema = {"type": "json_schema", "json_schema": json.loads(self.only.parameters)}
+            tag = _compact({"type": "structural_tag", "format": schema})
+            return {"structured_outputs": StructuredOutputsParams(structural_tag=json.dumps(tag))}
         extra: dict[str, Any] = {"skip_special_tokens": self.request.skip_special_tokens}
         constraint = self.request.structured_outputs
         if constraint is not None:
@@ -132,6 +150,8 @@ class ToolCalls:
 
     def feed(self, text: str, token_ids: Sequence[int], finished: bool = False) -> list[Piece]:
         """What one piece of the model's output says: words, calls begun, arguments."""
+        if self.only is not None:
+            return self._arguments(text)
         delta = self._parser.parse_delta(
             delta_text=text,
             delta_token_ids=list(token_ids),
@@ -146,6 +166,25 @@ class ToolCalls:
             pieces.append(Words(delta.content))
         for call in delta.tool_calls or []:
             pieces += self._call_delta(call)
+        return pieces
+
+    def _arguments(self, text: str) -> list[Piece]:
+        """The output of a reply that must call `only`: its arguments, nothing else."""
+        assert self.only is not None
+        pieces: list[Piece] = []
+        if not self._calls:
+            self._calls.append(
+                {
+                    "call_id": f"call_{uuid.uuid4().hex[:24]}",
+                    "name": self.only.name,
+                    "arguments": "",
+                }
+            )
+            self._announced.add(0)
+            pieces.append(CallStarted(0, self._calls[0]["call_id"], self.only.name))
+        if text:
+            self._calls[0]["arguments"] += text
+            pieces.append(CallArguments(0, text))
         return pieces
 
     def _call_delta(self, call: Any) -> list[Piece]:

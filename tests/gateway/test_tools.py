@@ -152,6 +152,11 @@ async def test_function_call_then_its_output_answered_in_speech(server) -> None:
         transcript = of_type(seen, "response.output_audio_transcript.done")[0]["transcript"]
         assert "22" in transcript or "sunny" in transcript.lower(), transcript
         assert of_type(seen, "response.output_audio.delta")
+        # and the conversation goes on, its calls in the stage's own history now
+        await text_turn(conn, events, "And in Rome?", tool_choice="required")
+        seen = await until(events, "response.done")
+        assert seen[-1]["response"]["status"] == "completed", seen[-1]
+        assert of_type(seen, "response.function_call_arguments.done")
 
 
 async def test_the_history_keeps_calls_and_outputs_in_order(server) -> None:
