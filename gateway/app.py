@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway import events as ev
-from gateway import speech
+from gateway import speech, twilio
 from gateway.admission import TooManyCalls
 from gateway.auth import AuthError, Grant
 from gateway.calls import MULTIPROCESS, Gateway
@@ -295,6 +295,18 @@ async def realtime_websocket(request: web.Request) -> web.StreamResponse:
     return ws
 
 
+async def twilio_stream(request: web.Request) -> web.StreamResponse:
+    """GET /v1/telephony/twilio: a Twilio Media Stream (TwiML <Connect><Stream>) as a phone
+    call; its key comes in the stream's parameters, checked at its start (gateway.twilio)."""
+    gateway = request.app[GATEWAY_KEY]
+    if not gateway.is_ready():
+        return _not_ready()
+    ws = web.WebSocketResponse(max_msg_size=twilio.MAX_MESSAGE_BYTES, heartbeat=30)
+    await ws.prepare(request)
+    await twilio.serve_stream(gateway, request, ws, client_address(request))
+    return ws
+
+
 async def client_secrets(request: web.Request) -> web.Response:
     """POST /v1/realtime/client_secrets: mint an ephemeral `ek_` key for a browser."""
     grant = _authorize(request, allow_ephemeral=False)
@@ -429,6 +441,12 @@ def create_app(
     app.router.add_post("/v1/realtime/client_secrets", client_secrets)
     app.router.add_post("/v1/audio/speech", audio_speech)
     app.router.add_post("/offer", offer)
+    if config.gateway.telephony.twilio:
+        try:
+            twilio.check_profiles(gateway)
+        except ProtocolError as exc:
+            raise ValueError(f"gateway.telephony: {exc}") from None
+        app.router.add_get(twilio.PATH, twilio_stream)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

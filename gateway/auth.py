@@ -114,11 +114,18 @@ class Authenticator:
                 f"WebSocket, the subprotocol '{SUBPROTOCOL_PREFIX}<key>')",
                 code="missing_api_key",
             )
+        return self.check_key(key, request.path if not allow_ephemeral else None)
+
+    def check_key(self, key: str, keys_only_at: str | None = None) -> Grant:
+        """The grant of a key presented some other way (a phone stream's parameters);
+        `keys_only_at`: the path that takes API keys, not client secrets."""
+        if not self.enabled:
+            return Grant(ephemeral=False)
         if key.startswith("ek_"):
-            if not allow_ephemeral:
+            if keys_only_at is not None:
                 raise AuthError(
                     f"a client secret (ek_) opens Realtime calls and sessions only: "
-                    f"{request.path} needs an API key"
+                    f"{keys_only_at} needs an API key"
                 )
             secret = self._unseal(key)
             if secret.expires_at <= time.time():

@@ -289,6 +289,37 @@ class ToolsConfig(Strict):
         return False
 
 
+class TelephonyConfig(Strict):
+    """Phone calls through Twilio Media Streams: a TwiML `<Connect><Stream>` pointed at
+    `wss://HOST/v1/telephony/twilio` (docs/telephony.md)."""
+
+    twilio: bool = Field(True, description="serve /v1/telephony/twilio")
+    key_parameter: str = Field(
+        "api_key",
+        description="the stream's custom parameter (TwiML <Parameter>) that carries an API "
+        "key, when gateway.auth is on; the URL's ?api_key= is read too",
+    )
+    profile_parameter: str = Field(
+        "profile", description="the custom parameter that names one of `profiles`"
+    )
+    profiles: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="named session settings (Realtime session objects: instructions, "
+        "turn_detection, tools, ...) a call chooses by its profile parameter; `default`, if "
+        "there is one, is for calls that name none",
+    )
+    start_timeout_s: float = Field(
+        10.0, gt=0, le=120, description="how long the stream may take to send its `start`"
+    )
+    send_ahead_ms: int = Field(
+        200,
+        ge=40,
+        le=5000,
+        description="agent audio sent ahead of what the caller has heard: what still plays "
+        "after a pause, and what a slow network may take",
+    )
+
+
 class GatewayConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -397,6 +428,7 @@ class GatewayConfig(Strict):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    telephony: TelephonyConfig = Field(default_factory=TelephonyConfig)
 
     @model_validator(mode="after")
     def _no_open_door(self) -> GatewayConfig:

@@ -26,6 +26,8 @@ OUTPUT_RATE = 24_000
 MAX_OUTPUT_TOKENS = 4096
 OPUS = "audio/opus"
 OPUS_RATE = 24_000  # what the agent's audio/opus is coded at
+G711_FORMATS = ("audio/pcmu", "audio/pcma")  # 8 kHz telephone audio (gateway.g711)
+G711_RATE = 8_000
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 
 
@@ -104,15 +106,21 @@ def _audio_format(value: Any, param: str) -> str:
         except OpusUnavailable as exc:
             raise unsupported(f"{param}.type='audio/opus'", str(exc)) from None
         return kind
-    if kind in ("audio/pcmu", "audio/pcma"):
-        raise unsupported(f"{param}.type={kind!r}", "G.711 is not built; use audio/pcm")
+    if kind in G711_FORMATS:
+        rate = value.get("rate", G711_RATE)
+        if rate != G711_RATE:
+            raise unsupported(f"{param}.rate={rate}", "G.711 is 8000 Hz")
+        return kind
     raise ProtocolError(
-        f"{param}.type must be 'audio/pcm' or 'audio/opus', not {kind!r}", param=f"{param}.type"
+        f"{param}.type must be 'audio/pcm', 'audio/pcmu', 'audio/pcma' or 'audio/opus', "
+        f"not {kind!r}",
+        param=f"{param}.type",
     )
 
 
 def format_json(kind: str) -> dict[str, Any]:
-    return {"type": kind, "rate": OPUS_RATE if kind == OPUS else INPUT_RATE}
+    rate = OPUS_RATE if kind == OPUS else G711_RATE if kind in G711_FORMATS else INPUT_RATE
+    return {"type": kind, "rate": rate}
 
 
 def _modalities(value: Any, param: str) -> list[str]:

@@ -24,6 +24,7 @@ class WebRTCTransport:
     data channel (queued until it opens)."""
 
     kind = "webrtc"
+    holds_audio = True  # its playout queue is here
 
     def __init__(
         self,

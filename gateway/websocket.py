@@ -1,7 +1,7 @@
 """The WebSocket transport of a Realtime session (GET /v1/realtime?model=...): JSON events both
 ways; the caller's audio in `input_audio_buffer.append`, the agent's in
-`response.output_audio.delta`, both base64 PCM16 mono 24 kHz, or (the `audio/opus` extension)
-one 20 ms Opus packet each."""
+`response.output_audio.delta`, both base64: PCM16 mono 24 kHz, G.711 at 8 kHz (`audio/pcmu`,
+`audio/pcma`), or (the `audio/opus` extension) one 20 ms Opus packet each."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from gateway.protocol import OPUS, OUTPUT_RATE
+from gateway.protocol import G711_FORMATS, OPUS, OUTPUT_RATE
 from gateway.resample import Upsampler
 from gateway.session import MAX_EVENT_BYTES, RealtimeSession, Reply
 from stages.tasks import cancel_and_wait
@@ -30,6 +30,7 @@ class WebSocketTransport:
     so what it has heard is estimated from the wall clock since the reply's first delta."""
 
     kind = "websocket"
+    holds_audio = False  # the client holds what it was sent
 
     def __init__(self, session: RealtimeSession, ws: web.WebSocketResponse) -> None:
         self.session = session
@@ -52,12 +53,22 @@ class WebSocketTransport:
             await self.session.close("websocket write failed")
 
     def play(self, reply: Reply, pcm: np.ndarray) -> None:
+        kind = self.session.config.output_format
         if reply.playback_start is None:
             self.resampler.reset()
-            if self.session.config.output_format == OPUS:
+            if kind == OPUS:
                 self.session.opus.reset()
+            if kind in G711_FORMATS:
+                self.session.g711(kind).reset()
             reply.playback_start = time.monotonic()
+        if kind in G711_FORMATS:  # from the vocoder's rate straight to 8 kHz
+            self._g711_delta(reply, self.session.g711(kind).encode(pcm))
+            return
         self._delta(reply, self.resampler.convert(pcm))
+
+    def _g711_delta(self, reply: Reply, payload: bytes) -> None:
+        if payload:
+            self.session.outbox.output_audio_delta(reply, base64.b64encode(payload).decode())
 
     def _delta(self, reply: Reply, pcm24k: np.ndarray, last: bool = False) -> None:
         if self.session.config.output_format == OPUS:  # one 20 ms packet per delta
@@ -70,6 +81,10 @@ class WebSocketTransport:
             self.session.outbox.output_audio_delta(reply, base64.b64encode(payload).decode())
 
     def audio_end(self, reply: Reply) -> None:
+        kind = self.session.config.output_format
+        if kind in G711_FORMATS:
+            self._g711_delta(reply, self.session.g711(kind).flush())
+            return
         self._delta(reply, self.resampler.flush(), last=True)
 
     def finish(self, reply: Reply) -> None:
@@ -78,8 +93,11 @@ class WebSocketTransport:
 
     def clear(self) -> None:
         self.resampler.reset()
-        if self.session.config.output_format == OPUS:
+        kind = self.session.config.output_format
+        if kind == OPUS:
             self.session.opus.reset()
+        if kind in G711_FORMATS:
+            self.session.g711(kind).reset()
 
     def hold(self, held: bool) -> None:
         """The client plays (and holds) the audio it was sent; nothing to pause here."""

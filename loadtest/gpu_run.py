@@ -76,6 +76,17 @@ def log(line: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
+def publish(report: dict[str, Any], table: str, out: Path | None) -> None:
+    """A benchmark's end: its JSON and table printed, and written under `out`
+    (results.json, table.md) if given."""
+    print(json.dumps(report, indent=2))
+    print(table)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(report, indent=2))
+        (out / "table.md").write_text(table)
+
+
 def pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 

@@ -38,7 +38,7 @@ import aiohttp
 import numpy as np
 import yaml
 
-from loadtest.gpu_run import describe_machine, log, summary
+from loadtest.gpu_run import describe_machine, log, publish, summary
 from loadtest.service import ROOT, Service
 from loadtest.voices import VOICED_SAMPLE, spoken
 
@@ -208,13 +208,7 @@ def main() -> None:
         "machine": describe_machine(),
         "results": results,
     }
-    print(json.dumps(report, indent=2))
-    table = table_md(report)
-    print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(report, indent=2))
-        (args.out / "table.md").write_text(table)
+    publish(report, table_md(report), args.out)
 
 
 def table_md(report: dict[str, Any]) -> str:

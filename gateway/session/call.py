@@ -26,9 +26,11 @@ import numpy as np
 from gateway import events as ev
 from gateway.config import InterruptionConfig, ToolsConfig
 from gateway.conversation import Conversation
+from gateway.g711 import G711
 from gateway.metrics import GatewayMetrics
 from gateway.opus import PacketCodec
 from gateway.protocol import (
+    G711_FORMATS,
     INPUT_RATE,
     OPUS,
     OUTPUT_RATE,
@@ -179,6 +181,7 @@ class RealtimeSession:
         self._intake: asyncio.Task[None] | None = None  # a long append being taken in
         self._backlog: collections.deque[Any] = collections.deque()  # events behind it
         self._opus: PacketCodec | None = None
+        self._g711: dict[str, G711] = {}
 
     @property
     def transport(self) -> Transport | None:
@@ -255,6 +258,10 @@ class RealtimeSession:
             raise ProtocolError(
                 f"audio is not valid base64: {exc}", param="audio", code="invalid_audio"
             ) from None
+        if self.config.input_format in G711_FORMATS:
+            # any length: every byte is a sample
+            self.feed_audio(self.g711(self.config.input_format).decode(raw))
+            return
         if self.config.input_format == OPUS:
             try:
                 self.feed_audio(self.opus.decode(raw))
@@ -287,6 +294,13 @@ class RealtimeSession:
             self._opus = PacketCodec(CALLER_RATE, OUTPUT_RATE)
         return self._opus
 
+    def g711(self, audio_format: str) -> G711:
+        """This session's coder of audio/pcmu or audio/pcma (made on first use)."""
+        coder = self._g711.get(audio_format)
+        if coder is None:
+            coder = self._g711[audio_format] = G711(audio_format, self.vocoder_rate)
+        return coder
+
     @property
     def _input_resampler(self) -> Upsampler:
         """24 kHz audio/pcm from a WebSocket client down to the caller rate."""
@@ -306,13 +320,13 @@ class RealtimeSession:
             return False
         reply, transport = self.replies.current, self.transport
         # a WebSocket client plays what it was sent: only a transport that holds the agent's
-        # audio itself can pause it and play on
+        # audio itself (WebRTC, a phone stream) can pause it and play on
         if (
             self.interruptions.policy == "provisional"
             and reply is not None
             and reply.audio
             and transport is not None
-            and transport.kind == "webrtc"
+            and transport.holds_audio
         ):
             if self.paused is None:
                 self.paused = reply
@@ -587,7 +601,9 @@ class RealtimeSession:
         self.disarm_idle()
         self.spans.close()
         self.replies.current = self.replies.finishing = None
-        self._in_rs = self._opus = None  # coders' native buffers go now, not at a collection
+        # coders' native buffers go now, not at a collection
+        self._in_rs = self._opus = None
+        self._g711.clear()
         transport = self.transport
         if transport is not None:
             transport.clear()

@@ -17,7 +17,8 @@ from gateway.session.reply import Reply
 class Transport(Protocol):
     """How a session's audio and events reach the client (gateway.webrtc, gateway.websocket)."""
 
-    kind: str  # "webrtc" or "websocket"
+    kind: str  # "webrtc", "websocket" or "twilio"
+    holds_audio: bool  # the agent's audio plays out from here: it can be paused, nothing lost
 
     def send_event(self, event: dict[str, Any]) -> None: ...
 

@@ -69,6 +69,7 @@ class SessionTools:
         self._awaited: dict[str, asyncio.TimerHandle] = {}  # call_id -> its output deadline
         self._mcp_rounds = 0
         replies.on_generated = self._generated
+        replies.on_calls_ended = self.cut
 
     # -- MCP servers ---------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ class RecordingLink:
 
 class RecordingTransport:
     kind = "websocket"
+    holds_audio = False
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
@@ -360,7 +361,7 @@ class Overlapping(Bound):
         from stages.messages import ResponseStarted
 
         self.link, self.transport = RecordingLink(), RecordingTransport()
-        self.transport.kind = "webrtc"
+        self.transport.kind, self.transport.holds_audio = "webrtc", True
         self.metrics = GatewayMetrics()
         policy = InterruptionConfig(policy="provisional", min_speech_ms=min_speech_ms)
         self.session = RealtimeSession(

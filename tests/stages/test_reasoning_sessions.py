@@ -157,13 +157,15 @@ def test_a_reply_stopped_unheard_leaves_no_trace_in_the_history() -> None:
 class OneWordEngine:
     """Stands in for stages.backends.llm_vllm.ReasoningEngine: every reply is one word."""
 
-    async def generate(self, request_id: str, prompt, sampling=None):
-        yield "Noon."
+    async def generate_pieces(
+        self, request_id: str, prompt, sampling=None, tools=None, template=None
+    ):
+        yield "Noon.", [1], True
 
     def prompt_budget(self, max_output_tokens=None) -> int:
         return 1000
 
-    def prompt_tokens(self, messages) -> int:
+    def prompt_tokens(self, messages, tools=None, template=None) -> int:
         return sum(len(m["content"]) for m in messages)
 
     async def abort(self, request_id: str) -> None:
