@@ -64,6 +64,7 @@ class PhoneCall:
         self._speech: collections.deque[tuple[bytes, bool, bool, bool]] = collections.deque()
         self.said: list[tuple[float, float]] = []  # (first voiced frame sent, last) per say()
         self.onsets: list[float] = []  # when each say()'s first voiced frame was sent
+        self._says = 0
         self._saying: list[float] | None = None
         self._queue: collections.deque[tuple[bytes | None, str | None]] = collections.deque()
         self.heard = np.zeros(0, np.int16)  # the agent's audio as played
@@ -118,9 +119,9 @@ class PhoneCall:
         """A frame as given (bad ones, for the tests)."""
         await self.ws.send_str(text)
 
-    def say(self, pcm8k: np.ndarray) -> None:
+    def say(self, pcm8k: np.ndarray) -> int:
         """Queue the caller's speech (PCM16 8 kHz); it goes out in real time after whatever
-        is queued, silence around it."""
+        is queued, silence around it. Its number, for `until_said`."""
         data = mulaw_encode(pcm8k)
         data += SILENCE[: (-len(data)) % FRAME]
         voiced = np.abs(pcm8k) > VOICED
@@ -128,6 +129,8 @@ class PhoneCall:
         for i, frame in enumerate(frames):
             chunk = voiced[i * FRAME : (i + 1) * FRAME]
             self._speech.append((frame, bool(chunk.any()), i == 0, i == len(frames) - 1))
+        self._says += 1
+        return self._says
 
     @property
     def speaking(self) -> bool:

@@ -1,6 +1,7 @@
 """Phone calls as the phone sees them, and what one costs the gateway beside a WebRTC call.
 
     python -m loadtest.telephony_bench [--config configs/offline.yaml] [--turns 8]
+                                       [--policies immediate,provisional]
                                        [--calls 4] [--seconds 30] [--out DIR]
 
 `omni-gateway start` serves the configuration on 127.0.0.1. A phone call (loadtest.phone:
@@ -10,7 +11,8 @@ second into each answer the caller talks over the agent. Measured at the phone:
   p50/p95;
 - barge-in: the caller's speech onset (the interruption's first voiced frame sent) to the
   `clear` that drops the agent's audio, p50/p95.
-Then the gateway's CPU per call: `--calls` phone calls, then as many WebRTC calls
+Each interruption policy runs in turn, the service started again for it. Then, once, the
+gateway's CPU per call: `--calls` phone calls, then as many WebRTC calls
 (gateway.client, real Opus), each speaking one question and listening for `--seconds`, the
 callers in a process of their own; the gateway process's CPU time over each phase, as a share
 of one core per call. Prints JSON and a table; writes results.json and table.md under --out.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import multiprocessing as mp
 import tempfile
@@ -42,7 +45,8 @@ QUESTIONS = (
     "What color is the sky?",
     "How many legs does a dog have?",
 )
-INTERRUPTION = "Wait, stop. Tell me something else."
+# one phrase: a pause inside it would end a turn there, and the rest would interrupt the reply
+INTERRUPTION = "Wait stop tell me something else"
 BARGE_IN_AFTER_S = 1.0  # into the agent's answer
 
 
@@ -57,17 +61,15 @@ async def phone_turns(url: str, turns: int) -> dict[str, list[float]]:
     async with PhoneCall.dial(url) as phone:
         await asyncio.sleep(0.5)
         for turn in range(turns):
-            phone.say(questions[turn % len(questions)])
-            _, end = await phone.until_said(len(phone.said) + 1)
+            _, end = await phone.until_said(phone.say(questions[turn % len(questions)]))
             async with asyncio.timeout(60):
                 while not [t for t in phone.media_at if t > end]:
                     await asyncio.sleep(0.005)
             to_media.append(min(t for t in phone.media_at if t > end) - end)
             await phone.until_agent_speaks(after=end)
             await asyncio.sleep(BARGE_IN_AFTER_S)
-            clears = len(phone.clears)
-            phone.say(interruption)
-            onsets = len(phone.onsets)
+            clears, onsets = len(phone.clears), len(phone.onsets)
+            interrupting = phone.say(interruption)
             try:
                 async with asyncio.timeout(5):
                     while len(phone.clears) == clears or len(phone.onsets) == onsets:
@@ -78,7 +80,11 @@ async def phone_turns(url: str, turns: int) -> dict[str, list[float]]:
                 to_silent.append((max(played) if played else onset) - onset)
             except TimeoutError:
                 missed.append(turn)
-            await phone.until_silent(quiet_s=1.5)  # the answer to the interruption, heard
+            # the answer to the interruption, heard to its end
+            _, interrupted = await phone.until_said(interrupting)
+            with contextlib.suppress(TimeoutError):
+                await phone.until_agent_speaks(after=interrupted, timeout=20)
+            await phone.until_silent(quiet_s=1.5)
         await phone.hang_up()
     return {"to_media": to_media, "to_clear": to_clear, "to_silent": to_silent, "missed": missed}
 
@@ -123,6 +129,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--calls", type=int, default=4, help="calls of each kind for the CPU")
     parser.add_argument("--seconds", type=float, default=30, help="each call listens so long")
+    parser.add_argument(
+        "--policies", default="immediate,provisional", help="gateway.interruptions.policy, each"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -130,70 +139,86 @@ def main() -> None:
     gw = data.setdefault("gateway", {})
     gw["auth"] = {"enabled": False}
     gw["max_calls"] = max(gw.get("max_calls", 8), args.calls + 2)
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "telephony-bench.yaml"
-        config.write_text(yaml.safe_dump(data))
-        with Service(config) as service:
-            base, pids = service.started()
-            url = base.replace("http", "ws") + "/v1/telephony/twilio"
-            log(f"serving {args.config.name} at {base}: {args.turns} phone turns")
-            turns = asyncio.run(phone_turns(url, args.turns))
-            question = spoken(QUESTIONS[0], 8000)
-            log(f"{args.calls} phone calls for the CPU")
-            phone_cpu, phone_s, phones = gateway_cpu(
-                pids["gateway"], run_phones, url, args.calls, question, args.seconds
-            )
-            log(f"{args.calls} WebRTC calls for the CPU")
-            webrtc_cpu, webrtc_s, webrtc = gateway_cpu(
-                pids["gateway"],
-                run_callers,
-                base,
-                args.calls,
-                spoken(QUESTIONS[0], 48000),
-                args.seconds,
-            )
+    phone: dict[str, Any] = {}
+    cpu: dict[str, Any] = {}
+    for policy in args.policies.split(","):
+        gw.setdefault("interruptions", {})["policy"] = policy
+        with tempfile.TemporaryDirectory() as tmp:
+            config = Path(tmp) / "telephony-bench.yaml"
+            config.write_text(yaml.safe_dump(data))
+            with Service(config) as service:
+                base, pids = service.started()
+                url = base.replace("http", "ws") + "/v1/telephony/twilio"
+                log(f"{policy}: serving {args.config.name} at {base}: {args.turns} phone turns")
+                turns = asyncio.run(phone_turns(url, args.turns))
+                phone[policy] = {
+                    "end_of_speech_to_first_media_ms": ms(turns["to_media"]),
+                    "speech_onset_to_clear_ms": ms(turns["to_clear"]),
+                    "speech_onset_to_agent_silent_ms": ms(turns["to_silent"]),
+                    "barge_ins_missed": len(turns["missed"]),
+                }
+                if cpu:
+                    continue
+                log(f"{args.calls} phone calls, then {args.calls} WebRTC calls, for the CPU")
+                question = spoken(QUESTIONS[0], 8000)
+                phone_cpu, phone_s, phones = gateway_cpu(
+                    pids["gateway"], run_phones, url, args.calls, question, args.seconds
+                )
+                webrtc_cpu, webrtc_s, webrtc = gateway_cpu(
+                    pids["gateway"],
+                    run_callers,
+                    base,
+                    args.calls,
+                    spoken(QUESTIONS[0], 48000),
+                    args.seconds,
+                )
+                cpu = {
+                    "calls": args.calls,
+                    "seconds": args.seconds,
+                    "phone_core_share": round(phone_cpu / phone_s / args.calls, 4),
+                    "webrtc_core_share": round(webrtc_cpu / webrtc_s / args.calls, 4),
+                    "phone_replied": sum(phones["replied"]),
+                    "webrtc_replied": sum(webrtc["replied"]),
+                }
     report = {
         "benchmark": "loadtest.telephony_bench",
         "date": datetime.date.today().isoformat(),
         "config": args.config.name,
         "machine": describe_machine(),
-        "phone": {
-            "end_of_speech_to_first_media_ms": summary(
-                [t * 1000 for t in turns["to_media"]], 50, 95
-            ),
-            "speech_onset_to_clear_ms": summary([t * 1000 for t in turns["to_clear"]], 50, 95),
-            "speech_onset_to_agent_silent_ms": summary(
-                [t * 1000 for t in turns["to_silent"]], 50, 95
-            ),
-            "barge_ins_missed": len(turns["missed"]),
-        },
-        "gateway_cpu_per_call": {
-            "calls": args.calls,
-            "seconds": args.seconds,
-            "phone_core_share": round(phone_cpu / phone_s / args.calls, 4),
-            "webrtc_core_share": round(webrtc_cpu / webrtc_s / args.calls, 4),
-            "phone_replied": sum(phones["replied"]),
-            "webrtc_replied": sum(webrtc["replied"]),
-        },
+        "phone": phone,
+        "gateway_cpu_per_call": cpu,
     }
     publish(report, table_md(report), args.out)
 
 
 def table_md(report: dict[str, Any]) -> str:
-    phone, cpu = report["phone"], report["gateway_cpu_per_call"]
-    media, clear = phone["end_of_speech_to_first_media_ms"], phone["speech_onset_to_clear_ms"]
-    silent = phone["speech_onset_to_agent_silent_ms"]
-    return (
-        "| end of speech → first media p50 / p95 ms | speech onset → clear p50 / p95 ms | "
-        "speech onset → agent silent at the phone p50 / p95 ms | barge-ins missed | gateway "
-        "CPU per call: phone / WebRTC (share of a core) |\n"
-        "| --- | --- | --- | --- | --- |\n"
-        f"| {media['p50']} / {media['p95']} ({media['n']} turns) | {clear['p50']} / "
-        f"{clear['p95']} ({clear['n']}) | {silent['p50']} / {silent['p95']} | "
-        f"{phone['barge_ins_missed']} | "
-        f"{cpu['phone_core_share']} / {cpu['webrtc_core_share']} ({cpu['calls']} calls, "
-        f"{cpu['seconds']:g} s) |\n"
-    )
+    rows = [
+        "| interruption policy | end of speech → first media p50 / p95 ms | speech onset → "
+        "clear p50 / p95 ms | speech onset → agent silent at the phone p50 / p95 ms | "
+        "barge-ins missed |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for policy, p in report["phone"].items():
+        media, clear = p["end_of_speech_to_first_media_ms"], p["speech_onset_to_clear_ms"]
+        silent = p["speech_onset_to_agent_silent_ms"]
+        rows.append(
+            f"| {policy} | {media['p50']} / {media['p95']} ({media['n']} turns) | "
+            f"{clear['p50']} / {clear['p95']} | {silent['p50']} / {silent['p95']} | "
+            f"{p['barge_ins_missed']} |"
+        )
+    cpu = report["gateway_cpu_per_call"]
+    rows += [
+        "",
+        "| gateway CPU per call (share of a core) | phone | WebRTC |",
+        "| --- | --- | --- |",
+        f"| {cpu['calls']} calls, {cpu['seconds']:g} s each | {cpu['phone_core_share']} | "
+        f"{cpu['webrtc_core_share']} |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def ms(values: list[float]) -> dict[str, Any]:
+    return summary([v * 1000 for v in values], 50, 95)
 
 
 if __name__ == "__main__":

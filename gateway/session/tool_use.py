@@ -121,6 +121,9 @@ class SessionTools:
             )
             logger.warning("MCP server %s: %s", link.server.server_label, exc.error)
             return
+        if self.outbox.closed or self.links.get(link.server.server_label) is not link:
+            await link.connection.close()  # the session ended, or dropped the server, meanwhile
+            return
         names = self._names_taken(link)
         clash = [t.name for t in tools if t.name in names]
         if clash:
