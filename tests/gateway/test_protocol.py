@@ -270,3 +270,17 @@ def test_session_tracing_is_taken_and_echoed() -> None:
             config.apply(bad)
         assert err.value.param == param
     assert config.tracing == named
+
+
+def test_mcp_servers_allowed_by_scheme_host_port_and_path() -> None:
+    from gateway.config import ToolsConfig
+
+    tools = ToolsConfig(mcp_servers=["https://tools.example.com/mcp", "http://127.0.0.1"])
+    assert tools.mcp_allowed("https://tools.example.com/mcp/weather")
+    assert tools.mcp_allowed("http://127.0.0.1:8123/mcp")  # no port given: any port
+    assert not tools.mcp_allowed("http://tools.example.com/mcp")  # another scheme
+    assert not tools.mcp_allowed("https://tools.example.com/admin")  # another path
+    assert not tools.mcp_allowed("http://127.0.0.1:80@evil.example/mcp")  # userinfo
+    assert not tools.mcp_allowed("http://127.0.0.1.evil.example/mcp")
+    assert not ToolsConfig().mcp_allowed("http://127.0.0.1/mcp")  # none by default
+    assert ToolsConfig(mcp_servers=["*"]).mcp_allowed("https://anywhere.example/")
