@@ -27,6 +27,7 @@ from gateway.resample import CALLER_RATE
 from gateway.session import RealtimeSession
 from gateway.siblings import Siblings, call_id
 from gateway.speech import Utterance
+from gateway.tools import check_servers
 from gateway.trace import StageTrace
 from gateway.tracing import Tracing
 from gateway.turn_models import TurnModels
@@ -180,6 +181,7 @@ class Gateway:
         config = self.session_config().updated(session, param)
         if self.turn_models is not None:
             self.turn_models.check(config, param)
+        check_servers(config.tools, self.config.gateway.tools, param)
         return config
 
     def open_session(

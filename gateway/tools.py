@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.config import ToolsConfig
 from gateway.fields import ProtocolError, check_keys, mapping, text_field, unsupported
 from stages.messages import Tool, Tools
 
@@ -371,3 +372,15 @@ def updated(tools: ToolSet, update: dict[str, Any], param: str, allow_mcp: bool 
     new = ToolSet(functions, servers, choice, parallel)
     check_choice(new, f"{param}.tool_choice")
     return new
+
+
+def check_servers(tools: ToolSet, config: ToolsConfig, param: str) -> None:
+    """Refuse MCP servers the gateway may not connect to (gateway.tools.mcp_servers)."""
+    for server in tools.servers:
+        if not config.mcp_allowed(server.server_url):
+            raise ProtocolError(
+                f"this gateway may not connect to the MCP server {server.server_url!r} "
+                "(gateway.tools.mcp_servers)",
+                param=f"{param}.tools",
+                code="mcp_server_not_allowed",
+            )

@@ -102,10 +102,10 @@ class TwilioTransport:
 
     def play(self, reply: Reply, pcm: np.ndarray) -> None:
         assert reply.response_id is not None
-        if reply.playback_start is None:
+        if reply.playback_start is None:  # its first audio: the coder starts afresh
             self.coder.reset()
             self._partial = b""
-            reply.playback_start = reply.response_id
+            reply.playback_start = time.monotonic()
         self._queue(reply.response_id, self.coder.encode(pcm))
 
     def audio_end(self, reply: Reply) -> None:

@@ -213,9 +213,11 @@ class RealtimeSession:
         return self.tasks.spawn(coro, name)
 
     def start(self) -> None:
-        """Greet the client (session.created) and hand the stages the session's settings."""
+        """Greet the client (session.created) and hand the stages the session's settings;
+        connect to the MCP servers it starts with (a client secret's session)."""
         self.apply_settings()
         self.outbox.session_created(self.config)
+        self.tools.sync(self.config.tools)
 
     def apply_settings(self) -> None:
         c = self.config
@@ -295,7 +297,7 @@ class RealtimeSession:
         return self._opus
 
     def g711(self, audio_format: str) -> G711:
-        """This session's coder of audio/pcmu or audio/pcma (made on first use)."""
+        """The call's coder of audio/pcmu or audio/pcma (made on first use)."""
         coder = self._g711.get(audio_format)
         if coder is None:
             coder = self._g711[audio_format] = G711(audio_format, self.vocoder_rate)

@@ -19,12 +19,11 @@ from typing import Any
 from gateway.config import ToolsConfig
 from gateway.conversation import Conversation, Item, function_call, mcp_call, mcp_list_tools
 from gateway.events import new_id
-from gateway.fields import ProtocolError
 from gateway.mcp import ListedTool, McpConnection, McpFailure
 from gateway.session.outbox import Outbox
 from gateway.session.replies import Replies
 from gateway.session.reply import Reply
-from gateway.tools import McpServer, ToolSet
+from gateway.tools import McpServer, ToolSet, check_servers
 from stages.messages import Tool, Tools
 
 logger = logging.getLogger(__name__)
@@ -68,6 +67,7 @@ class SessionTools:
         self._calls: dict[str, asyncio.Task[None]] = {}  # mcp_call item id -> its call
         self._awaited: dict[str, asyncio.TimerHandle] = {}  # call_id -> its output deadline
         self._mcp_rounds = 0
+        self._functions: frozenset[str] = frozenset()  # the session's function tools' names
         replies.on_generated = self._generated
         replies.on_calls_ended = self.cut
 
@@ -75,18 +75,12 @@ class SessionTools:
 
     def check(self, tools: ToolSet) -> None:
         """Refuse MCP servers the gateway may not connect to (before anything changes)."""
-        for server in tools.servers:
-            if not self.config.mcp_allowed(server.server_url):
-                raise ProtocolError(
-                    f"this gateway may not connect to the MCP server {server.server_url!r} "
-                    "(gateway.tools.mcp_servers)",
-                    param="session.tools",
-                    code="mcp_server_not_allowed",
-                )
+        check_servers(tools, self.config, "session")
 
     def sync(self, tools: ToolSet) -> None:
         """The session's tools changed: connect to new MCP servers and list their tools
         (mcp_list_tools.*), hang up on those gone."""
+        self._functions = frozenset(f.name for f in tools.functions)
         wanted = {s.server_label: s for s in tools.servers}
         for label in list(self.links):
             if wanted.get(label) != self.links[label].server:
@@ -142,13 +136,11 @@ class SessionTools:
         self.settings_changed()
 
     def _names_taken(self, link: ServerLink) -> set[str]:
-        taken: set[str] = set(self.function_names)
+        taken: set[str] = set(self._functions)
         for other in self.links.values():
             if other is not link and other.ready:
                 taken.update(t.name for t in other.tools)
         return taken
-
-    function_names: frozenset[str] = frozenset()  # the session's function tools (set by it)
 
     def _hang_up(self, link: ServerLink) -> None:
         if link.task is not None:
@@ -158,7 +150,6 @@ class SessionTools:
     def for_model(self, tools: ToolSet, strict: bool = True) -> Tools:
         """The tools the model may call now: the function tools and the listed MCP ones
         (`strict`: see ToolSet.for_model)."""
-        self.function_names = frozenset(f.name for f in tools.functions)
         listed = [
             Tool(t.name, t.description, _schema_json(t.input_schema))
             for label in (s.server_label for s in tools.servers)

@@ -63,7 +63,7 @@ def test_semantic_vad_is_rendered_with_its_own_fields() -> None:
     ("update", "param"),
     [
         ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice='alloy'"),
-        ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "session.audio.input.format"),
+        ({"audio": {"input": {"format": {"type": "audio/pcmu", "rate": 16000}}}}, "rate"),
         (
             {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.9}}}},
             "turn_detection.threshold",

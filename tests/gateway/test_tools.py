@@ -21,6 +21,7 @@ from openai import AsyncOpenAI
 
 from gateway.client import RealtimeCall
 from gateway.config import load_config
+from loadtest.tools_bench import WEATHER
 from stages.audio import resample
 from tests.gateway.sdk_events import Events, pcm24k_b64, text_turn
 
@@ -28,16 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(lo
 
 OFFLINE = Path(__file__).parents[2] / "configs" / "offline.yaml"
 KEY = "sk-omni-tools-key"
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather now in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
 MCP_CALL_TIMEOUT_S = 3.0
 OUTPUT_TIMEOUT_S = 4.0
 
