@@ -441,6 +441,7 @@ class ReasoningStage(Stage):
         self._emit(session, response, "vocoder", msgspec.structs.replace(started, held=held))
         self._emit(session, response, GATEWAY, started)
         status, first_ns, index = "completed", 0, 0
+        calls: ToolCalls | None = None
         try:
             calls, prompt, sampling, tools, template = self._prepare(session, state, options)
             submitted_ns = time.monotonic_ns()

@@ -190,3 +190,26 @@ async def test_an_early_reply_released_before_its_task_ran_is_not_held_by_the_vo
     assert started and not any(m.held for m in started), started
     assert ResponseRelease("resp_5_1", keep=True) in sent
     assert any(isinstance(m, TextDelta) and m.text == "Noon." for m in sent)
+
+
+async def test_a_reply_whose_tools_cannot_be_rendered_fails_with_an_error() -> None:
+    """A model whose chat template lists no tools and is no ChatML one: the reply with tools
+    ends failed, with an error naming the setting, and the session goes on."""
+    from stages.messages import Error, ResponseDone, SessionSettings, Tool, Tools
+    from stages.tasks import Tasks
+
+    class PlainTemplate:
+        chat_template = "[INST] {{ messages }} [/INST]"
+
+    stage = Dispatching()
+    stage.tasks, stage.engine = Tasks(), OneWordEngine()
+    stage.engine.tokenizer = PlainTemplate()
+    tools = Tools([Tool("get_time")], "required")
+    stage.give("gateway", Kind.SESSION_SETTINGS, SessionSettings(tools=tools))
+    stage.give("encoder", Kind.TRANSCRIPT, Transcript(1, "what time is it", final=True))
+    done, running = await asyncio.wait(list(stage.tasks), timeout=5)
+    assert done and not running
+    [finished] = [m for m in stage.sent if isinstance(m, ResponseDone)][-1:]
+    assert finished.status == "failed"
+    errors = [m.message for m in stage.sent if isinstance(m, Error)]
+    assert any("reasoning.tools.chat_template" in m for m in errors), errors
