@@ -173,6 +173,7 @@ class TwilioTransport:
             item = self._frames.popleft()
             if isinstance(item, str):  # a reply's end: its last mark
                 self._mark(item, self._bytes_of.get(item, 0), done=True)
+                sent_of.pop(item, None)
                 continue
             sent_of[item.response_id] += 1
             payload = base64.b64encode(item.payload).decode()
@@ -198,9 +199,10 @@ class TwilioTransport:
             return  # one of audio a clear dropped: not heard
         response_id, heard = entry
         self._heard_of[response_id] = max(self._heard_of.get(response_id, 0), heard)
-        if kind == "done":
-            self.session.playback_done(response_id)
+        if kind == "done":  # heard to its end: nothing more is asked of it
             self._bytes_of.pop(response_id, None)
+            self._heard_of.pop(response_id, None)
+            self.session.playback_done(response_id)
 
     def _write(self, message: dict[str, Any]) -> None:
         self._out.put_nowait(json.dumps(message))

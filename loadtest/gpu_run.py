@@ -87,6 +87,11 @@ def publish(report: dict[str, Any], table: str, out: Path | None) -> None:
         (out / "table.md").write_text(table)
 
 
+def ms_summary(seconds: list[float]) -> dict[str, float | int | None]:
+    """p50 and p95 (and n, max) in ms of times in seconds."""
+    return summary([s * 1000 for s in seconds], 50, 95)
+
+
 def pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 

@@ -34,7 +34,8 @@ import numpy as np
 import yaml
 
 from loadtest.callers import run_callers
-from loadtest.gpu_run import describe_machine, log, publish, summary
+from loadtest.gpu_run import describe_machine, log, publish
+from loadtest.gpu_run import ms_summary as ms
 from loadtest.phone import PhoneCall
 from loadtest.service import ROOT, Service
 from loadtest.voices import spoken
@@ -215,10 +216,6 @@ def table_md(report: dict[str, Any]) -> str:
         f"{cpu['webrtc_core_share']} |",
     ]
     return "\n".join(rows) + "\n"
-
-
-def ms(values: list[float]) -> dict[str, Any]:
-    return summary([v * 1000 for v in values], 50, 95)
 
 
 if __name__ == "__main__":

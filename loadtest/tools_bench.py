@@ -38,7 +38,8 @@ import aiohttp
 import numpy as np
 import yaml
 
-from loadtest.gpu_run import describe_machine, log, publish, summary
+from loadtest.gpu_run import describe_machine, log, publish
+from loadtest.gpu_run import ms_summary as ms
 from loadtest.service import ROOT, Service
 from loadtest.voices import VOICED_SAMPLE, spoken
 
@@ -163,10 +164,6 @@ async def phase(
 def joined(talkers: list[Turns], name: str) -> list[Any]:
     """One list of every session's `name`."""
     return [value for t in talkers for value in getattr(t, name)]
-
-
-def ms(values: list[float]) -> dict[str, Any]:
-    return summary([v * 1000 for v in values], 50, 95)
 
 
 def main() -> None:

@@ -116,17 +116,17 @@ class ToolCalls:
         if tools.choice == "function" or (tools.choice == "required" and len(tools.tools) == 1):
             wanted = tools.function or tools.tools[0].name
             self.only = next(t for t in tools.tools if t.name == wanted)
-        choice: Any = tools.choice
-        if choice == "function":
-            choice = {"type": "function", "function": {"name": tools.function}}
-        request = ChatCompletionRequest(
-            messages=messages,
-            tools=chat_tools(tools),
-            tool_choice=choice,
-            parallel_tool_calls=tools.parallel,
-        )
-        self._parser = parser(tokenizer, request.tools)
-        self.request: ChatCompletionRequest = self._parser.adjust_request(request)
+        self._parser: Parser | None = None
+        self.request: ChatCompletionRequest | None = None
+        if self.only is None:  # the model writes calls in its format: vLLM's parser reads them
+            request = ChatCompletionRequest(
+                messages=messages,
+                tools=chat_tools(tools),
+                tool_choice=tools.choice,
+                parallel_tool_calls=tools.parallel,
+            )
+            self._parser = parser(tokenizer, request.tools)
+            self.request = self._parser.adjust_request(request)
         self._calls: list[dict[str, str]] = []  # by index: call_id, name, arguments
         self._announced: set[int] = set()  # indexes whose CallStarted went out
 
@@ -139,6 +139,7 @@ class ToolCalls:
             schema = {"type": "json_schema", "json_schema": json.loads(self.only.parameters)}
             tag = _compact({"type": "structural_tag", "format": schema})
             return {"structured_outputs": StructuredOutputsParams(structural_tag=json.dumps(tag))}
+        assert self.request is not None
         extra: dict[str, Any] = {"skip_special_tokens": self.request.skip_special_tokens}
         constraint = self.request.structured_outputs
         if constraint is not None:
@@ -152,6 +153,7 @@ class ToolCalls:
         """What one piece of the model's output says: words, calls begun, arguments."""
         if self.only is not None:
             return self._arguments(text)
+        assert self._parser is not None
         delta = self._parser.parse_delta(
             delta_text=text,
             delta_token_ids=list(token_ids),
