@@ -120,7 +120,7 @@ def chunks(pcm16k: np.ndarray) -> Iterator[np.ndarray]:
 
 class MonolithicPipeline:
     """Encoder, reasoning and vocoder in this process, on one event loop, without rings: the
-    stages' backends (encoder.load_recognizer, llm_vllm.ReasoningEngine, vocoder.load_voice),
+    stages' backends (encoder.load_recognizer, llm_vllm.VllmEngine, vocoder.load_voice),
     their conversation keeping and phrase splitting. Create with `start()` on the loop that
     will run it; `turn()` serves one caller turn; turns of different sessions run at once."""
 
@@ -138,7 +138,7 @@ class MonolithicPipeline:
 
     @classmethod
     async def start(cls, config: Any, vocoder_thread: bool = False) -> MonolithicPipeline:
-        from stages.backends.llm_vllm import ReasoningEngine
+        from stages.backends.llm_vllm import VllmEngine
         from stages.encoder import load_recognizer
         from stages.reasoning import resolve_model
         from stages.vocoder import load_voice
@@ -146,7 +146,7 @@ class MonolithicPipeline:
         recognizer = load_recognizer(config.encoder)
         voice = load_voice(config.vocoder)
         cfg = config.reasoning
-        engine = await ReasoningEngine.start(resolve_model(cfg), cfg.engine_args, cfg.sampling)
+        engine = await VllmEngine.start(resolve_model(cfg), cfg.engine_args, cfg.sampling)
         return cls(config, recognizer, engine, voice, vocoder_thread)
 
     def set_vocoder_thread(self, on: bool) -> None:

@@ -2,8 +2,9 @@
 
 Built where they run (weights initialised on the GPU), saved with `save_pretrained` and loaded
 through the same backends as real checkpoints. Their output is noise: Whisper transcribes
-babble, the chat model answers with random tokens, SpeechT5 speaks static. Every folder carries
-the `random_weights` marker, so the stages say so in their logs.
+babble, the chat model answers with random tokens, SpeechT5 speaks static, the talker
+(Orpheus-3B's shape) speaks SNAC codes that decode to noise. Every folder carries the
+`random_weights` marker, so the stages say so in their logs.
 
     python -m loadtest.gpu_models [--root .cache/gpu-models] [--device cuda] [--preset real]
 """
@@ -24,6 +25,12 @@ from stages.backends.tiny_speech_models import (
     WHISPER_VOCAB_SIZE,
     ensure_speecht5,
     ensure_whisper,
+)
+from stages.backends.tiny_talker import (
+    ORPHEUS_3B_SHAPE,
+    TINY_TALKER_SHAPE,
+    ensure_snac,
+    ensure_talker,
 )
 
 DEFAULT_ROOT = Path(".cache/gpu-models")
@@ -63,7 +70,7 @@ SPEECHT5_REAL_SHAPE: dict[str, object] = {}
 HIFIGAN_REAL_SHAPE: dict[str, object] = {}
 
 PRESETS = {
-    # name: (chat shape, chat vocab, whisper shape, whisper vocab, speecht5, hifigan)
+    # name: (chat shape, chat vocab, whisper shape, whisper vocab, speecht5, hifigan, talker)
     "real": (
         QWEN25_7B_SHAPE,
         QWEN25_VOCAB,
@@ -71,6 +78,7 @@ PRESETS = {
         WHISPER_SMALL_VOCAB,
         SPEECHT5_REAL_SHAPE,
         HIFIGAN_REAL_SHAPE,
+        ORPHEUS_3B_SHAPE,  # Orpheus-3B, the chat model's tokenizer for its text tokens
     ),
     # the test-sized models, to try the GPU run's script on a CPU
     "tiny": (
@@ -80,6 +88,7 @@ PRESETS = {
         WHISPER_VOCAB_SIZE,
         SPEECHT5_SHAPE,
         HIFIGAN_SHAPE,
+        TINY_TALKER_SHAPE,
     ),
 }
 
@@ -90,6 +99,8 @@ class GpuModels:
     whisper: str
     speecht5: str
     hifigan: str
+    talker: str
+    snac: str
     preset: str
     build_s: float
 
@@ -97,18 +108,26 @@ class GpuModels:
 def ensure_models(
     root: Path = DEFAULT_ROOT, device: str = "cuda", preset: str = "real"
 ) -> GpuModels:
-    """Build (once) the preset's three models under `root`; returns their folders."""
-    chat_shape, chat_vocab, whisper_shape, whisper_vocab, t5_shape, gan_shape = PRESETS[preset]
+    """Build (once) the preset's models under `root`; returns their folders."""
+    chat_shape, chat_vocab, whisper_shape, whisper_vocab, t5_shape, gan_shape, talker_shape = (
+        PRESETS[preset]
+    )
     root = Path(root).absolute()
     t0 = time.monotonic()
     chat = ensure_chat_model(root / f"chat-{preset}", chat_shape, chat_vocab, device)
     whisper = ensure_whisper(root / f"whisper-{preset}", whisper_shape, whisper_vocab, device)
     speech = ensure_speecht5(root / f"speecht5-{preset}", t5_shape, gan_shape, device)
+    talker = ensure_talker(
+        root / f"talker-{preset}", talker_shape, device=device, tokenizer_from=chat
+    )
+    snac = ensure_snac(root / "snac-24khz", device)
     return GpuModels(
         str(chat),
         str(whisper),
         str(speech.model),
         str(speech.vocoder),
+        str(talker),
+        str(snac),
         preset,
         round(time.monotonic() - t0, 1),
     )
@@ -117,7 +136,7 @@ def ensure_models(
 def describe(models: GpuModels) -> dict[str, object]:
     """The shapes as built (each folder's config.json), for the results."""
     out: dict[str, object] = {"preset": models.preset, "random_weights": True}
-    for name in ("chat", "whisper", "speecht5", "hifigan"):
+    for name in ("chat", "whisper", "speecht5", "hifigan", "talker", "snac"):
         config = json.loads((Path(getattr(models, name)) / "config.json").read_text())
         keys = [k for k in config if k.endswith(("_size", "_layers", "_heads", "_dim"))]
         out[name] = {k: config[k] for k in sorted(keys) if isinstance(config[k], int)}

@@ -2,11 +2,12 @@
 feel it, for each GPU layout side by side in one run. (One long module on purpose: it is the
 one script a lent GPU machine runs, variants, loads and the JSON they make, end to end.)
 
-    python -m loadtest.gpu_run [--layouts one,tp2] [--loads 1,8,32] [--out DIR]
+    python -m loadtest.gpu_run [--layouts one,tp2,talker] [--loads 1,8,32] [--out DIR]
 
 For each layout (`one`: every stage on GPU 0, configs/gpu-one.yaml; `tp2`: vLLM tensor-parallel
 over GPUs 0-1 with Whisper and SpeechT5 on GPU 2, configs/gpu-tp2.yaml, or on GPU 1 where only
-two are present) it starts the stages and the gateway on 127.0.0.1, then:
+two are present; `talker`: `one` with the talker voice, a second vLLM engine speaking SNAC
+codes, configs/gpu-talker.yaml) it starts the stages and the gateway on 127.0.0.1, then:
 - loads of 1, 8 and 32 concurrent WebRTC callers (loadtest.conversation: real aiortc peers in
   processes of their own, real Opus) that speak, wait for the agent, and talk over it: turn
   latency p50/p95 with its breakdown per hop, barge-in latency at the client, and cancel
@@ -58,7 +59,9 @@ import numpy as np
 # CUDA_VISIBLE_DEVICES is set.
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-LAYOUT_CONFIGS = {"one": "gpu-one.yaml", "tp2": "gpu-tp2.yaml"}
+LAYOUT_CONFIGS = {"one": "gpu-one.yaml", "tp2": "gpu-tp2.yaml", "talker": "gpu-talker.yaml"}
+#: layouts whose voice is the talker (vLLM speaking SNAC codes), not SpeechT5
+TALKER_LAYOUTS = frozenset({"talker"})
 CALLERS_PER_PROCESS = 8
 QUESTION = "tell me about the weather today"
 
@@ -811,11 +814,12 @@ def layout_config(
     are several (one is tapped in place)."""
     from gateway.config import GatewayConfig, load_config
 
+    talker = name in TALKER_LAYOUTS
     overrides: dict[str, Any] = {
         "encoder.model": models.whisper,
         "reasoning.model": models.chat,
-        "vocoder.model": models.speecht5,
-        "vocoder.vocoder": models.hifigan,
+        "vocoder.model": models.talker if talker else models.speecht5,
+        "vocoder.vocoder": models.snac if talker else models.hifigan,
         "gateway.port": 0,
     }
     if "auth" in GatewayConfig.model_fields:  # callers on 127.0.0.1 carry no API key
@@ -829,7 +833,15 @@ def layout_config(
             overrides |= {f"{stage}.device": "cpu", f"{stage}.gpus": None}
             overrides[f"{stage}.gpu_memory_fraction"] = None
         overrides["encoder.options"] = {"max_new_tokens": 8}
-        overrides["vocoder.options"] = {"maxlenratio": 4.0}
+        overrides["vocoder.options"] = (
+            {
+                "audio_tokens_only": True,
+                "max_frames_per_char": 0.8,
+                "engine_args": {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024},
+            }
+            if talker
+            else {"maxlenratio": 4.0}
+        )
         overrides["reasoning.gpus"] = None
         overrides["reasoning.engine_args"] = {
             "enforce_eager": True,
@@ -865,11 +877,29 @@ def run_layout(
         out["gpu_processes"] = _nvidia_smi(
             "--query-compute-apps=pid,used_gpu_memory,gpu_bus_id", "--format=csv,noheader"
         )
+        out["gpu_memory_mib_by_stage"] = gpu_memory_by_stage(supervisor, out["gpu_processes"])
         out |= asyncio.run(measure_layout(config, supervisor, speech, args))
     return out
 
 
 # -- the machine and the caller's voice --------------------------------------------------
+
+
+def gpu_memory_by_stage(supervisor: Any, processes: list[str]) -> dict[str, int]:
+    """GPU memory (MiB) of each stage instance: its own process and those of its process group
+    (vLLM's engine core and workers, a talker's engine core), from nvidia-smi's
+    "pid, used_gpu_memory, bus" lines."""
+    groups = {p.process.pid: name for name, p in supervisor.stages.items() if p.process}
+    out: dict[str, int] = {}
+    for line in processes:
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            pid, mib = int(parts[0]), int(parts[1].split()[0])
+            stage = groups.get(os.getpgid(pid), f"pid {pid}")
+        except (ValueError, IndexError, ProcessLookupError, PermissionError):
+            continue
+        out[stage] = out.get(stage, 0) + mib
+    return out
 
 
 def _nvidia_smi(*args: str) -> list[str]:
@@ -977,7 +1007,12 @@ def table(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    parser.add_argument("--layouts", default=None, help="one,tp2 (default: what the GPUs allow)")
+    parser.add_argument(
+        "--layouts",
+        default=None,
+        help="one,tp2,talker (talker: gpu-one's layout with the talker voice; default: one, "
+        "and tp2 where the GPUs allow)",
+    )
     parser.add_argument("--loads", type=ints, default=[1, 8, 32])
     parser.add_argument("--turns", type=int, default=4, help="turns per caller under load")
     parser.add_argument("--turns-single", type=int, default=8, help="turns of a lone caller")
@@ -1061,7 +1096,9 @@ def main(argv: list[str] | None = None) -> int:
         for chosen in itertools.product(*dims, *args.set)
     ]
     # a bad key or value fails now, not after the models are built and other variants ran
-    folders = SimpleNamespace(whisper="w", chat="c", speecht5="t", hifigan="h")
+    folders = SimpleNamespace(
+        whisper="w", chat="c", speecht5="t", hifigan="h", talker="o", snac="s"
+    )
     for name, variant in itertools.product(layouts, variants):
         try:
             config, _ = layout_config(name, folders, args.gpu_count, args.device, variant)

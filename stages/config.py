@@ -10,6 +10,10 @@ StageName = Literal["encoder", "reasoning", "vocoder"]
 
 TINY_CHAT_MODEL = "builtin:tiny-chat"
 """Reasoning model id for the random-weight chat model built locally on first use."""
+TINY_TALKER = "builtin:tiny-talker"
+"""Talker model id for a random-weight talker of Orpheus's layout built locally on first use."""
+RANDOM_SNAC = "builtin:random-snac-24khz"
+"""Talker codec id for SNAC 24 kHz's shape with random weights, built locally on first use."""
 
 
 def _known_bundled(model: str | None) -> None:
@@ -205,17 +209,23 @@ class ReasoningConfig(Strict):
 
 
 class VocoderConfig(TorchStageConfig):
-    """Speech synthesis: `piper` (a Piper voice, ONNX), `espeak` (its voice in its wheel) or
-    `speecht5` (local weights)."""
+    """Speech synthesis: `piper` (a Piper voice, ONNX), `espeak` (its voice in its wheel),
+    `speecht5` (local weights) or `talker` (an LM in vLLM speaking SNAC codec tokens, and the
+    SNAC decoder; stages.backends.tts_talker)."""
 
-    backend: Literal["piper", "espeak", "speecht5"] = "espeak"
+    backend: Literal["piper", "espeak", "speecht5", "talker"] = "espeak"
     voice: str = "en-us"
     model: str | None = Field(
         None,
         description="speecht5: acoustic model id or folder; piper: a voice's .onnx (its "
-        ".onnx.json beside it), a folder holding one, or bundled:NAME",
+        ".onnx.json beside it), a folder holding one, or bundled:NAME; talker: the talker "
+        f"LM's id or folder, or {TINY_TALKER}",
     )
-    vocoder: str | None = Field(None, description="speecht5: HiFi-GAN id or folder")
+    vocoder: str | None = Field(
+        None,
+        description="speecht5: HiFi-GAN id or folder; talker: SNAC's id or folder, or "
+        + RANDOM_SNAC,
+    )
     speaker_embedding: str | None = Field(None, description="speecht5: .npy of 512 floats")
     first_phrase_words: int = Field(
         4,
@@ -237,14 +247,15 @@ class VocoderConfig(TorchStageConfig):
         8,
         ge=1,
         le=64,
-        description="replies a voice that batches (speecht5) steps together in one decoder pass",
+        description="replies a voice that batches (speecht5, talker) steps together in one "
+        "decoder pass",
     )
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
 
     @model_validator(mode="after")
     def _speecht5_needs_weights(self) -> VocoderConfig:
-        if self.backend == "speecht5" and not (self.model and self.vocoder):
-            raise ValueError("backend 'speecht5' needs `model` and `vocoder`")
+        if self.backend in ("speecht5", "talker") and not (self.model and self.vocoder):
+            raise ValueError(f"backend {self.backend!r} needs `model` and `vocoder`")
         if self.backend == "piper" and not self.model:
             raise ValueError("backend 'piper' needs `model` (a voice's .onnx, or bundled:NAME)")
         _known_bundled(self.model)

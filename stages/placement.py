@@ -28,6 +28,8 @@ MULTICAST_OFF = {
     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
     "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
 }
+#: The talker voice's vLLM engine, in the vocoder's share of a GPU (stages.backends.tts_talker).
+TALKER_ENGINE = "vocoder's talker engine"
 #: vLLM's default gpu_memory_utilization; too much when another stage shares its GPU.
 VLLM_DEFAULT_MEMORY_UTILIZATION = 0.9
 
@@ -125,6 +127,17 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
             raise PlacementError(f"{stage} is placed on GPU {gpu} but there are {seen}")
         processes = config.vocoder.replicas if stage == "vocoder" else 1
         used.setdefault(gpu, {})[stage] = (cfg.gpu_memory_fraction, processes)
+        if stage == "vocoder" and config.vocoder.backend == "talker":
+            # the talker's vLLM engine core: a process of the stage's own, with its own share
+            engine_args = config.vocoder.options.get("engine_args") or {}
+            share = engine_args.get("gpu_memory_utilization")
+            if share is None:
+                raise PlacementError(
+                    f"the vocoder's talker runs vLLM on GPU {gpu}: set "
+                    "vocoder.options.engine_args.gpu_memory_utilization (vLLM's default "
+                    f"{VLLM_DEFAULT_MEMORY_UTILIZATION} leaves the other stages too little)"
+                )
+            used[gpu][TALKER_ENGINE] = (share, processes)
     reasoning = config.reasoning
     if gpu_count == 0:
         if reasoning.gpus or reasoning.parallel_size > 1:

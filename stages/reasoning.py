@@ -52,7 +52,7 @@ from stages.stops import Stop
 from stages.tasks import Tasks, cancel_and_wait
 
 if TYPE_CHECKING:
-    from stages.backends.llm_vllm import ReasoningEngine
+    from stages.backends.llm_vllm import VllmEngine
     from stages.backends.tool_parsing import ToolCalls
 
 ENGINE_CHECK_S = 1.0  # how often an idle stage looks at the engine's health
@@ -161,13 +161,13 @@ class ReasoningStage(Stage):
         self._tool_parser_class: Any = None
 
     def load(self) -> dict[str, Any]:
-        from stages.backends.llm_vllm import ReasoningEngine
+        from stages.backends.llm_vllm import VllmEngine
 
         cfg = self.config.reasoning
         self._loop = asyncio.new_event_loop()
         model = resolve_model(cfg)
-        self.engine: ReasoningEngine = self._loop.run_until_complete(
-            ReasoningEngine.start(model, cfg.engine_args, cfg.sampling)
+        self.engine: VllmEngine = self._loop.run_until_complete(
+            VllmEngine.start(model, cfg.engine_args, cfg.sampling)
         )
         return {"model": model}
 

@@ -22,13 +22,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from stages.backends import bundled
-from stages.backends.speech import Voice, split_pcm16
-from stages.config import VocoderConfig
+from stages.backends.speech import PhraseStream, Voice, split_pcm16
+from stages.config import RANDOM_SNAC, TINY_TALKER, VocoderConfig
 from stages.envelope import Envelope
 from stages.messages import (
     AudioDone,
@@ -48,9 +48,6 @@ from stages.rings import GATEWAY
 from stages.stage import QueuedStage
 from stages.stops import Stop
 
-if TYPE_CHECKING:  # imported with the SpeechT5 voice, never for espeak
-    from stages.backends.tts_speecht5 import PhraseStream
-
 logger = logging.getLogger(__name__)
 
 
@@ -61,6 +58,8 @@ def load_voice(config: VocoderConfig) -> Voice:
 
         return load_espeak(voice=config.voice, **config.options)
     assert config.model  # the config validator makes sure
+    if config.backend == "talker":
+        return _load_talker(config)
     model = bundled.resolve(config.model)
     if config.backend == "piper":
         from stages.backends.tts_piper import load_piper
@@ -76,6 +75,24 @@ def load_voice(config: VocoderConfig) -> Voice:
         device=config.device,
         **config.options,
     )
+
+
+def _load_talker(config: VocoderConfig) -> Voice:
+    from stages.backends.tts_talker import load_talker
+
+    assert config.model and config.vocoder  # the config validator makes sure
+    model, codec = config.model, config.vocoder
+    # the built-in ones are built here on first use; their folders carry the random-weights
+    # marker, which the engine and the codec's loader log
+    if model == TINY_TALKER:
+        from stages.backends.tiny_talker import ensure_tiny_talker
+
+        model = str(ensure_tiny_talker())
+    if codec == RANDOM_SNAC:
+        from stages.backends.tiny_talker import ensure_snac
+
+        codec = str(ensure_snac())
+    return load_talker(model, codec, device=config.device, **config.options)
 
 
 @dataclass
@@ -127,7 +144,8 @@ class Reply:
 
 
 class BatchingVoice(Voice, Protocol):
-    """A voice that steps several phrases in one pass (stages.backends.tts_speecht5)."""
+    """A voice that steps several phrases in one pass (stages.backends.tts_speecht5 and
+    tts_talker)."""
 
     def begin(self, text: str, stop: Callable[[], bool] | None = None) -> PhraseStream: ...
 
@@ -166,8 +184,10 @@ class VocoderStage(QueuedStage):
             # (tens of ms with a batch of replies): the session's epoch was bumped before the
             # CANCEL was sent, every decoder step and every push of this stage checks it, and the
             # gateway's ring drops a piece pushed in between, so from here on nothing of the
-            # cancelled reply leaves the stage; the model loop drops its state next.
-            self.ack(env.session, msg)
+            # cancelled reply leaves the stage; the model loop drops its state next. A talker
+            # voice aborts the session's request first, and the ack carries its KV usage once
+            # the engine has applied the abort.
+            self.ack(env.session, msg, kv_usage=self._abort_talking())
         elif isinstance(msg, ResponseRelease) and msg.keep and not self.is_stale(env):
             # Sent here too, on the reader thread: the model loop reads it only after the
             # decoder pass in progress (tens of ms at 8 callers), and the caller's first audio
@@ -212,9 +232,16 @@ class VocoderStage(QueuedStage):
         if reply is not None and stop.ends_reply(reply.response_id, reply.epoch):
             self._drop(session)
 
+    def _abort_talking(self) -> float | None:
+        abort = getattr(self.voice, "abort_stopped", None)
+        return None if abort is None else abort()
+
     def close(self) -> None:
         for session in list(getattr(self, "replies", ())):
             self._drop(session)
+        close = getattr(getattr(self, "voice", None), "close", None)
+        if close is not None:  # a voice with processes of its own (the talker's engine)
+            close()
         super().close()
 
     def _release(self, session: int, reply: Reply) -> None:
@@ -263,6 +290,10 @@ class VocoderStage(QueuedStage):
         minute of audio in one burst, which would hold up every other session (and the
         gateway's event loop), only for most of it to be thrown away at a barge-in.
         """
+        if getattr(self.voice, "dead", False):
+            # the talker's engine is gone: a non-zero exit, and the supervisor restarts the stage
+            self.cannot_serve(f"the voice {self.voice.name} died")
+            raise RuntimeError(f"vocoder: the voice {self.voice.name} died")
         now, rate = time.monotonic(), self.voice.sample_rate
         max_lead = self.config.vocoder.max_lead_ms / 1000
         for session, reply in list(self.replies.items()):

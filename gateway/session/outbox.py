@@ -337,16 +337,19 @@ class Outbox:
         response_id: str,
         latency_ms: float,
         stages_ms: dict[str, float],
-        kv_usage: float | None,
+        kv_usage: dict[str, float],
     ) -> None:
-        """omni.response.cancelled: every stage acknowledged the reply's cancel."""
+        """omni.response.cancelled: every stage acknowledged the reply's cancel. `kv_usage`:
+        per stage with a vLLM engine, its KV usage after the abort; `kv_cache_usage` is the
+        reasoning engine's."""
         self.send(
             ev.event(
                 "omni.response.cancelled",
                 response_id=response_id,
                 cancel_latency_ms=latency_ms,
                 stages_ms=stages_ms,
-                kv_cache_usage=kv_usage,
+                kv_cache_usage=kv_usage.get("reasoning"),
+                kv_cache_usage_by_stage=kv_usage,
             )
         )
 

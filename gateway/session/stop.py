@@ -43,7 +43,8 @@ class PendingCancel:
     response_id: str
     sent_ns: int
     acks: dict[str, int] = field(default_factory=dict)  # stage -> its CLOCK_MONOTONIC ns
-    kv_usage: float | None = None
+    # stage -> its vLLM engine's KV usage after the abort (reasoning; a talker voice's vocoder)
+    kv_usage: dict[str, float] = field(default_factory=dict)
 
 
 class Cancels:
@@ -80,14 +81,14 @@ class Cancels:
         sent = self.sent.get(cancel_id)
         if sent is not None:
             self.metrics.cancel_latency.labels(stage).observe((t_ns - sent) / 1e9)
-        if kv is not None:
+        if kv is not None and stage == "reasoning":
             self.metrics.kv_usage.set(kv)
         pending = self.pending.get(cancel_id)
         if pending is None:
             return
         pending.acks[stage] = t_ns
         if kv is not None:
-            pending.kv_usage = kv
+            pending.kv_usage[stage] = kv
         if set(pending.acks) >= set(STAGES):
             del self.pending[cancel_id]
             self.outbox.response_cancelled(

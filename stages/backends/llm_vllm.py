@@ -1,9 +1,9 @@
-"""vLLM engine layer of the reasoning stage.
+"""vLLM engine layer of the reasoning stage and of the talker voice (tts_talker).
 
-``ReasoningEngine`` wraps vLLM's ``AsyncLLM`` (the v1 engine front end; the engine core runs in its
-own process) and gives the reasoning stage what it needs: chat messages in, text deltas out as each
-token is sampled, idempotent aborts, and the engine's KV-cache usage so a CANCEL can report that the
-aborted request's blocks were freed.
+``VllmEngine`` wraps vLLM's ``AsyncLLM`` (the v1 engine front end; the engine core runs in its
+own process) and gives the stages what they need: chat messages in and text deltas out as each
+token is sampled (reasoning), or token ids in and out (a talker's codec tokens), idempotent aborts,
+and the engine's KV-cache usage so a CANCEL can report that the aborted request's blocks were freed.
 """
 
 from __future__ import annotations
@@ -44,23 +44,23 @@ GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
 
 
-class ReasoningEngineError(RuntimeError):
+class VllmEngineError(RuntimeError):
     """Base class of the errors this module raises."""
 
 
-class ModelNotFoundError(ReasoningEngineError, FileNotFoundError):
+class ModelNotFoundError(VllmEngineError, FileNotFoundError):
     """The model path does not exist or is not a model folder."""
 
 
-class EngineConfigError(ReasoningEngineError, ValueError):
+class EngineConfigError(VllmEngineError, ValueError):
     """An engine argument or sampling parameter is unknown or has a bad value."""
 
 
-class EngineStartError(ReasoningEngineError):
+class EngineStartError(VllmEngineError):
     """vLLM failed to start (the engine core process died or refused the configuration)."""
 
 
-class EngineDeadError(ReasoningEngineError):
+class EngineDeadError(VllmEngineError):
     """The engine core process died while serving; the engine must be restarted."""
 
 
@@ -130,7 +130,7 @@ def build_engine_args(model: str, engine_args: Mapping[str, Any]) -> AsyncEngine
         raise _config_error(model, exc) from exc
 
 
-def _config_error(model: str, exc: Exception) -> ReasoningEngineError:
+def _config_error(model: str, exc: Exception) -> VllmEngineError:
     """The typed error for vLLM refusing the configuration (``exc``) of ``model``."""
     if isinstance(exc, OSError):  # transformers / huggingface_hub: model files not found
         where = "the folder" if Path(model).is_dir() else "the Hugging Face cache or hub"
@@ -178,7 +178,7 @@ def _sockets_in(folder: Path) -> Iterator[None]:
             os.environ[_SOCKETS_ENV] = before
 
 
-class ReasoningEngine:
+class VllmEngine:
     """A vLLM ``AsyncLLM`` that streams chat replies as text deltas. Create with ``start()``."""
 
     def __init__(
@@ -205,7 +205,7 @@ class ReasoningEngine:
         model: str,
         engine_args: Mapping[str, Any] | None = None,
         sampling: Mapping[str, Any] | None = None,
-    ) -> ReasoningEngine:
+    ) -> VllmEngine:
         """Start vLLM on ``model`` (a local folder or a model id) and wait until it is ready.
 
         ``engine_args`` go to ``AsyncEngineArgs`` unchanged (plus CPU defaults: eager mode and a
@@ -287,10 +287,9 @@ class ReasoningEngine:
         closes the generator, the request is aborted here, so its KV blocks are freed at once.
         """
         from vllm.renderers.params import ChatParams
-        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
         if self._llm is None:
-            raise ReasoningEngineError(f"engine on {self.model!r} is shut down")
+            raise VllmEngineError(f"engine on {self.model!r} is shut down")
         params = (
             build_sampling_params({**self._sampling, **sampling})
             if sampling
@@ -305,15 +304,40 @@ class ReasoningEngine:
         # and these are the session's history
         messages = copy.deepcopy(messages)
         _, (prompt,) = await llm.renderer.render_chat_async([messages], chat_params)
+        async with contextlib.aclosing(self._completions(prompt, params, request_id)) as steps:
+            async for completion in steps:
+                # The text is empty when the detokenizer holds back an incomplete UTF-8
+                # sequence (its tokens come again with the rest)
+                finished = completion.finish_reason is not None
+                if completion.text or finished:
+                    yield completion.text, list(completion.token_ids), finished
+
+    async def generate_ids(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[list[int]]:
+        """Stream the token ids generated after ``prompt_ids``, the new ones of each engine
+        step. Ends when the request finishes or is aborted; a consumer that goes away aborts
+        it (its KV blocks freed at once), as in `generate_pieces`."""
+        if self._llm is None:
+            raise VllmEngineError(f"engine on {self.model!r} is shut down")
+        prompt = {"prompt_token_ids": prompt_ids}
+        async with contextlib.aclosing(self._completions(prompt, params, request_id)) as steps:
+            async for completion in steps:
+                if completion.token_ids:
+                    yield list(completion.token_ids)
+
+    async def _completions(self, prompt: Any, params: SamplingParams, request_id: str) -> Any:
+        """vLLM's completion of the request, the piece of each engine step."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+        assert self._llm is not None
         try:
-            async with contextlib.aclosing(llm.generate(prompt, params, request_id)) as outputs:
+            async with contextlib.aclosing(
+                self._llm.generate(prompt, params, request_id)
+            ) as outputs:
                 async for output in outputs:
                     for completion in output.outputs:
-                        # The text is empty when the detokenizer holds back an incomplete
-                        # UTF-8 sequence (its tokens come again with the rest)
-                        finished = completion.finish_reason is not None
-                        if completion.text or finished:
-                            yield completion.text, list(completion.token_ids), finished
+                        yield completion
         except (asyncio.CancelledError, GeneratorExit):
             # The one place a stream's consumer going away turns into an abort. (Closing vLLM's
             # own generator above aborts too; aborts are idempotent.)
@@ -325,12 +349,20 @@ class ReasoningEngine:
         except VllmEngineDeadError as exc:
             raise EngineDeadError(f"vLLM engine on {self.model!r} died: {exc}") from exc
 
+    async def abort_confirmed(self, request_ids: list[str], timeout: float = 0.1) -> float:
+        """Abort ``request_ids`` and return the KV usage once the engine has applied the abort
+        (`kv_usage_after_abort`)."""
+        seq, usage = self.kv_stats_seq(), self.kv_usage()
+        for request_id in request_ids:
+            await self.abort(request_id)
+        return await self.kv_usage_after_abort(seq, usage, timeout, sent_seq=self.kv_stats_seq())
+
     @property
     def tokenizer(self) -> Any:
         """The model's tokenizer (vLLM's), made on first use."""
         if self._tokenizer is None:
             if self._llm is None:
-                raise ReasoningEngineError(f"engine on {self.model!r} is shut down")
+                raise VllmEngineError(f"engine on {self.model!r} is shut down")
             self._tokenizer = self._llm.get_tokenizer()
         return self._tokenizer
 
@@ -338,7 +370,7 @@ class ReasoningEngine:
         """The prompt tokens that leave room in the context for a reply of
         `max_output_tokens` (or the configured max_tokens; 256 without one)."""
         if self._llm is None:
-            raise ReasoningEngineError(f"engine on {self.model!r} is shut down")
+            raise VllmEngineError(f"engine on {self.model!r} is shut down")
         reply = max_output_tokens or self._sampling.get("max_tokens") or 256
         context = self._llm.model_config.max_model_len
         return max(1, context - min(int(reply), context // 2))

@@ -79,6 +79,38 @@ class Voice(Protocol):
         ...
 
 
+class PhraseStream(Protocol):
+    """A phrase a batching voice speaks a block per `advance` (tts_speecht5, tts_talker)."""
+
+    done: bool
+
+    def close(self) -> None: ...
+
+
+class BlockVoice(Protocol):
+    """A voice whose phrases advance a block at a time, several in one pass."""
+
+    sample_rate: int
+
+    def begin(self, text: str, stop: Callable[[], bool] | None = None) -> Any: ...
+
+    def advance(self, streams: Any) -> list[np.ndarray]: ...
+
+
+def speak_by_blocks(
+    voice: BlockVoice, text: str, stop: Callable[[], bool] | None, chunk_ms: int
+) -> Iterator[np.ndarray]:
+    """`Voice.synthesize` of a batching voice: one phrase advanced alone, its blocks yielded in
+    chunks of at most ``chunk_ms``; closing the iterator ends the phrase."""
+    stream = voice.begin(text, stop)
+    try:
+        while not stream.done:
+            (block,) = voice.advance([stream])
+            yield from split_pcm16(block, voice.sample_rate, chunk_ms)
+    finally:
+        stream.close()
+
+
 class SpeechBackendError(RuntimeError):
     """Base class of the errors the speech backends raise."""
 

@@ -102,20 +102,12 @@ def stdlib_sources(limit: int) -> Iterator[str]:
         yield text
 
 
-def _build(
-    folder: Path,
-    shape: dict[str, Any] = MODEL_SHAPE,
-    vocab_size: int = VOCAB_SIZE,
-    device: str = "cpu",
-) -> None:
-    import torch
+def train_tokenizer(folder: Path, vocab_size: int, max_length: int) -> Any:
+    """A byte-level BPE tokenizer of at most ``vocab_size`` tokens (ChatML's specials first),
+    trained on the pydoc pages (and the standard library's source for large vocabularies),
+    with the ChatML template, saved in ``folder``; returns the `tokenizers.Tokenizer`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        GenerationConfig,
-        PreTrainedTokenizerFast,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -136,11 +128,29 @@ def _build(
         pad_token=ENDOFTEXT,
         unk_token=None,
         bos_token=None,
-        model_max_length=shape["max_position_embeddings"],
+        model_max_length=max_length,
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(folder)
+    return bpe
 
+
+def mark_random(folder: Path) -> None:
+    (folder / RANDOM_WEIGHTS_MARKER).write_text(
+        "This model has random weights: it was built offline for tests and its output is noise.\n"
+    )
+
+
+def _build(
+    folder: Path,
+    shape: dict[str, Any] = MODEL_SHAPE,
+    vocab_size: int = VOCAB_SIZE,
+    device: str = "cpu",
+) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    bpe = train_tokenizer(folder, vocab_size, shape["max_position_embeddings"])
     endoftext_id = bpe.token_to_id(ENDOFTEXT)
     im_end_id = bpe.token_to_id(IM_END)
     config = Qwen2Config(
@@ -162,6 +172,4 @@ def _build(
     )
     model.save_pretrained(folder)
 
-    (folder / RANDOM_WEIGHTS_MARKER).write_text(
-        "This model has random weights: it was built offline for tests and its output is noise.\n"
-    )
+    mark_random(folder)

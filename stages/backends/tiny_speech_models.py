@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from stages.backends.model_cache import build_once, cache_folder
-from stages.backends.tiny_chat_model import RANDOM_WEIGHTS_MARKER, stdlib_sources
+from stages.backends.tiny_chat_model import mark_random, stdlib_sources
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -133,12 +133,6 @@ def _training_text(paragraphs: int | None = 400) -> Iterator[str]:
     return islice(all_paragraphs(), paragraphs)
 
 
-def _mark_random(folder: Path) -> None:
-    (folder / RANDOM_WEIGHTS_MARKER).write_text(
-        "This model has random weights: it was built offline for tests and its output is noise.\n"
-    )
-
-
 def _build_whisper(
     folder: Path,
     shape: dict[str, Any] = WHISPER_SHAPE,
@@ -211,7 +205,7 @@ def _build_whisper(
         },
     )
     model.save_pretrained(folder)
-    _mark_random(folder)
+    mark_random(folder)
 
 
 def _bpe_merges(bpe: Tokenizer) -> list[tuple[str, str]]:
@@ -272,7 +266,7 @@ def _build_speecht5(
     with torch.no_grad():
         model.speech_decoder_postnet.prob_out.bias.fill_(SPEECHT5_STOP_BIAS)
     model.save_pretrained(folder)
-    _mark_random(folder)
+    mark_random(folder)
 
     with torch.device(device):
         vocoder = SpeechT5HifiGan(SpeechT5HifiGanConfig(**hifigan_shape))
@@ -283,4 +277,4 @@ def _build_speecht5(
             module.reset_parameters()
     vocoder_folder = folder / "vocoder"
     vocoder.save_pretrained(vocoder_folder)
-    _mark_random(vocoder_folder)
+    mark_random(vocoder_folder)

@@ -35,6 +35,7 @@ from stages.backends.speech import (
     reject_unknown_options,
     resolve_model_path,
     set_torch_threads,
+    speak_by_blocks,
     split_pcm16,
     warn_if_random_weights,
 )
@@ -271,13 +272,7 @@ class SpeechT5Voice:
                     return
                 yield from split_pcm16(self._speak(piece), self.sample_rate, self._chunk_ms)
             return
-        stream = self.begin(text, stop)
-        try:
-            while not stream.done:
-                (block,) = self.advance([stream])
-                yield from split_pcm16(block, self.sample_rate, self._chunk_ms)
-        finally:
-            stream.close()
+        yield from speak_by_blocks(self, text, stop, self._chunk_ms)
 
     def begin(self, text: str, stop: Callable[[], bool] | None = None) -> PhraseStream:
         """A phrase to speak a block at a time with `advance`; ``stop`` as in `synthesize`."""

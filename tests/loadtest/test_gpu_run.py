@@ -33,7 +33,7 @@ from loadtest.gpu_run import (
 from stages.messages import CancelAck, Kind, Phrase, ResponseStarted, TextDelta, Transcript
 from stages.placement import PlacementError, plan
 
-MODELS = SimpleNamespace(whisper="w", chat="c", speecht5="t", hifigan="h")
+MODELS = SimpleNamespace(whisper="w", chat="c", speecht5="t", hifigan="h", talker="o", snac="s")
 MS = 1_000_000
 
 
@@ -59,6 +59,23 @@ def test_tp2_layout_as_written_needs_three_gpus() -> None:
     assert plan(config, gpu_count=3, environ={})["vocoder"].env["CUDA_VISIBLE_DEVICES"] == "2"
     with pytest.raises(PlacementError, match="encoder is placed on GPU 2"):
         plan(config, gpu_count=2, environ={})
+
+
+def test_talker_layout_is_one_gpu_with_the_talker_voice() -> None:
+    config, _ = layout_config("talker", MODELS, gpu_count=1, device="cuda")
+    placements = plan(config, gpu_count=1, environ={})
+    assert {p.env["CUDA_VISIBLE_DEVICES"] for p in placements.values()} == {"0"}
+    assert (config.vocoder.backend, config.vocoder.model, config.vocoder.vocoder) == (
+        "talker",
+        "o",
+        "s",
+    )
+    # everything else as gpu-one.yaml has it, so the two run like with like
+    one, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
+    assert config.reasoning == one.reasoning and config.encoder == one.encoder
+    assert config.gateway == one.gateway
+    cpu, _ = layout_config("talker", MODELS, gpu_count=0, device="cpu")
+    assert cpu.vocoder.device == "cpu" and cpu.vocoder.options["audio_tokens_only"]
 
 
 def test_cpu_try_out_layout_needs_no_gpu() -> None:

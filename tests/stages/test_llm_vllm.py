@@ -1,4 +1,4 @@
-"""ReasoningEngine on a real vLLM AsyncLLM serving the tiny random-weight chat model.
+"""VllmEngine on a real vLLM AsyncLLM serving the tiny random-weight chat model.
 
 One engine is started for the whole module (start-up takes 20-50 s on 2 CPU cores); every test
 leaves it idle, and the abort tests check that nothing is left behind before the engine is reused.
@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from stages.backends import model_cache, tiny_chat_model
-from stages.backends.llm_vllm import EngineConfigError, ModelNotFoundError, ReasoningEngine
+from stages.backends.llm_vllm import EngineConfigError, ModelNotFoundError, VllmEngine
 from stages.backends.tiny_chat_model import ensure_tiny_chat_model
 from stages.backends.tool_parsing import (
     CallArguments,
@@ -60,10 +60,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_model: Path) -> AsyncIterator[ReasoningEngine]:
+async def engine(tiny_model: Path) -> AsyncIterator[VllmEngine]:
     """The module's engine; vLLM's sockets are in the engine's own folder, gone at shutdown."""
     started = time.monotonic()
-    engine = await ReasoningEngine.start(str(tiny_model), ENGINE_ARGS, SAMPLING)
+    engine = await VllmEngine.start(str(tiny_model), ENGINE_ARGS, SAMPLING)
     print(f"\nvLLM start-up: {time.monotonic() - started:.1f} s")
     assert engine.socket_dir is not None
     assert any(p.is_socket() for p in engine.socket_dir.iterdir())
@@ -72,13 +72,13 @@ async def engine(tiny_model: Path) -> AsyncIterator[ReasoningEngine]:
     assert not engine.socket_dir.exists()
 
 
-async def _assert_idle(engine: ReasoningEngine) -> None:
+async def _assert_idle(engine: VllmEngine) -> None:
     assert await engine.wait_kv_idle(timeout=1.0) == 0.0
     assert engine.num_unfinished_requests() == 0
 
 
 @module_loop
-async def test_streams_text_deltas(engine: ReasoningEngine) -> None:
+async def test_streams_text_deltas(engine: VllmEngine) -> None:
     ttfts, inter_token = [], []
     for i in range(3):  # the first request after start-up is slower: report the last
         sent = time.monotonic()
@@ -99,7 +99,7 @@ async def test_streams_text_deltas(engine: ReasoningEngine) -> None:
 
 
 @module_loop
-async def test_two_concurrent_streams(engine: ReasoningEngine) -> None:
+async def test_two_concurrent_streams(engine: VllmEngine) -> None:
     spans: dict[str, tuple[float, float]] = {}
     usage_seen: list[float] = []
 
@@ -121,7 +121,7 @@ async def test_two_concurrent_streams(engine: ReasoningEngine) -> None:
 
 
 @module_loop
-async def test_the_step_log_tells_a_prefill_step_from_decoding(engine: ReasoningEngine) -> None:
+async def test_the_step_log_tells_a_prefill_step_from_decoding(engine: VllmEngine) -> None:
     """A prompt that comes while another reply decodes is prefilled in a step the log counts
     apart, with the prompt's tokens; vLLM's stats carry them (0.26's and 0.32's alike)."""
     engine._kv.steps = steps = StepLog(every_s=3600)
@@ -138,7 +138,7 @@ async def test_the_step_log_tells_a_prefill_step_from_decoding(engine: Reasoning
 
 
 @module_loop
-async def test_abort_mid_stream_ends_stream_and_frees_kv(engine: ReasoningEngine) -> None:
+async def test_abort_mid_stream_ends_stream_and_frees_kv(engine: VllmEngine) -> None:
     stream = engine.generate("abort-1", MESSAGES, LONG)
     for _ in range(5):
         await anext(stream)
@@ -162,7 +162,7 @@ async def test_abort_mid_stream_ends_stream_and_frees_kv(engine: ReasoningEngine
 
 
 @module_loop
-async def test_kv_usage_after_abort_with_another_stream_running(engine: ReasoningEngine) -> None:
+async def test_kv_usage_after_abort_with_another_stream_running(engine: VllmEngine) -> None:
     kept = engine.generate("kept-1", MESSAGES, LONG)
     dropped = engine.generate("dropped-1", MESSAGES, LONG)
     for _ in range(5):
@@ -191,7 +191,7 @@ async def test_kv_usage_after_abort_with_another_stream_running(engine: Reasonin
 
 
 @module_loop
-async def test_consumer_cancel_and_close_abort_the_request(engine: ReasoningEngine) -> None:
+async def test_consumer_cancel_and_close_abort_the_request(engine: VllmEngine) -> None:
     # Closing the generator (a consumer that stops reading) aborts.
     stream = engine.generate("close-1", MESSAGES, LONG)
     await anext(stream)
@@ -215,7 +215,7 @@ async def test_consumer_cancel_and_close_abort_the_request(engine: ReasoningEngi
 
 
 @module_loop
-async def test_engine_reusable_after_aborts(engine: ReasoningEngine) -> None:
+async def test_engine_reusable_after_aborts(engine: VllmEngine) -> None:
     """vLLM's abort test: abort some of many streams, check nothing is left, then reuse."""
     request_ids = [f"many-{i}" for i in range(6)]
     to_abort = set(request_ids[::2])
@@ -242,9 +242,9 @@ async def test_engine_reusable_after_aborts(engine: ReasoningEngine) -> None:
 async def test_missing_model_path_names_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(ModelNotFoundError, match=re.escape(str(missing))):
-        await ReasoningEngine.start(str(missing), ENGINE_ARGS, SAMPLING)
+        await VllmEngine.start(str(missing), ENGINE_ARGS, SAMPLING)
     with pytest.raises(ModelNotFoundError, match=r"has no config\.json"):
-        await ReasoningEngine.start(str(tmp_path), ENGINE_ARGS, SAMPLING)
+        await VllmEngine.start(str(tmp_path), ENGINE_ARGS, SAMPLING)
 
 
 @module_loop
@@ -252,11 +252,11 @@ async def test_bad_engine_arg_and_sampling_key_are_named(tiny_model: Path) -> No
     with pytest.raises(
         EngineConfigError, match=r"'num_gpu_blockz_override'.*'num_gpu_blocks_override'"
     ):
-        await ReasoningEngine.start(str(tiny_model), {"num_gpu_blockz_override": 16}, SAMPLING)
+        await VllmEngine.start(str(tiny_model), {"num_gpu_blockz_override": 16}, SAMPLING)
     with pytest.raises(EngineConfigError, match="'temprature'"):
-        await ReasoningEngine.start(str(tiny_model), ENGINE_ARGS, {"temprature": 0.5})
+        await VllmEngine.start(str(tiny_model), ENGINE_ARGS, {"temprature": 0.5})
     with pytest.raises(EngineConfigError, match="max_model_len"):  # the model has 2048 positions
-        await ReasoningEngine.start(str(tiny_model), {"max_model_len": 4096}, SAMPLING)
+        await VllmEngine.start(str(tiny_model), {"max_model_len": 4096}, SAMPLING)
 
 
 def test_tiny_model_build_is_idempotent_and_resumes(
@@ -291,7 +291,7 @@ def test_kv_usage_after_abort_does_not_count_records_made_before_the_abort_was_s
     from stages.backends.vllm_stats import KvUsageMonitor
 
     async def scenario() -> float:
-        engine = ReasoningEngine.__new__(ReasoningEngine)  # the KV monitor only, no vLLM
+        engine = VllmEngine.__new__(VllmEngine)  # the KV monitor only, no vLLM
         engine._kv = kv = KvUsageMonitor()
         kv.update(0.2, requests=2)
         seq, before = kv.seq, kv.usage
@@ -313,7 +313,7 @@ def test_an_abort_hidden_by_other_requests_growth_is_acked_after_a_second_step()
     from stages.backends.vllm_stats import KvUsageMonitor
 
     async def scenario() -> tuple[float, dict[str, int]]:
-        engine = ReasoningEngine.__new__(ReasoningEngine)  # the KV monitor only, no vLLM
+        engine = VllmEngine.__new__(VllmEngine)  # the KV monitor only, no vLLM
         engine._kv = kv = KvUsageMonitor()
         kv.update(0.2, requests=8)
         seq, before = kv.seq, kv.usage
@@ -366,7 +366,7 @@ WEATHER = Tool(
 CLOCK = Tool("get_time", "The time now", '{"type": "object", "properties": {}}')
 
 
-async def _calls(engine: ReasoningEngine, tools: Tools, request_id: str) -> tuple[list, list]:
+async def _calls(engine: VllmEngine, tools: Tools, request_id: str) -> tuple[list, list]:
     template = tool_chat_template(None, engine.tokenizer.chat_template)
     calls = ToolCalls(tools, MESSAGES, parser_class("hermes", engine.tokenizer), engine.tokenizer)
     sampling = {"max_tokens": 200, "ignore_eos": False, **calls.sampling()}
@@ -389,7 +389,7 @@ async def _calls(engine: ReasoningEngine, tools: Tools, request_id: str) -> tupl
 
 @module_loop
 async def test_a_random_model_makes_schema_valid_calls_when_they_are_required(
-    engine: ReasoningEngine,
+    engine: VllmEngine,
 ) -> None:
     """Random weights and tool_choice required, or a named function: vLLM's structured
     outputs hold the call to a tool's name and its arguments to the tool's schema."""
@@ -414,7 +414,7 @@ async def test_a_random_model_makes_schema_valid_calls_when_they_are_required(
     await _assert_idle(engine)
 
 
-def test_calls_the_model_got_wrong_are_reported_not_made(engine: ReasoningEngine) -> None:
+def test_calls_the_model_got_wrong_are_reported_not_made(engine: VllmEngine) -> None:
     """The hermes parser on written output: words before a call are words; a call of no such
     tool, one cut off mid-arguments and a second one with parallel calls off are bad."""
     tokenizer = engine.tokenizer

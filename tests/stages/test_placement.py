@@ -61,6 +61,23 @@ def test_indices_are_of_the_gpus_the_supervisor_sees() -> None:
     assert placements["vocoder"].env["CUDA_VISIBLE_DEVICES"] == "6"
 
 
+TALKER = {
+    "backend": "talker",
+    "model": "talker",
+    "vocoder": "snac",
+    "device": "cuda",
+    "gpus": [0],
+    "gpu_memory_fraction": 0.1,
+}
+
+
+def test_the_shipped_gpu_layouts_fit_one_h200() -> None:
+    for name in ("gpu-one.yaml", "gpu-talker.yaml"):
+        layout = load_config(CONFIGS / name)
+        placements = plan(layout, gpu_count=1, environ={})
+        assert {p.env["CUDA_VISIBLE_DEVICES"] for p in placements.values()} == {"0"}, name
+
+
 def test_all_stages_on_one_gpu() -> None:
     one = config(
         encoder={"backend": "whisper", "model": "m", "device": "cuda", "gpus": [0]},
@@ -113,6 +130,23 @@ def test_the_gpus_present_are_counted_when_the_config_asks_for_gpus() -> None:
             ),
             1,
             r"GPU 0 is given out beyond its memory: vocoder 0.3 \+ reasoning 0.8 > 1.0",
+        ),
+        (  # a talker's vLLM engine needs a share of its own
+            config(
+                vocoder=TALKER | {"options": {}},
+                reasoning={"gpus": [0], "engine_args": {"gpu_memory_utilization": 0.5}},
+            ),
+            1,
+            r"the vocoder's talker runs vLLM on GPU 0: set "
+            r"vocoder.options.engine_args.gpu_memory_utilization",
+        ),
+        (  # ... counted with the others: 0.5 + 0.1 + 0.6 > 1
+            config(
+                vocoder=TALKER | {"options": {"engine_args": {"gpu_memory_utilization": 0.6}}},
+                reasoning={"gpus": [0], "engine_args": {"gpu_memory_utilization": 0.5}},
+            ),
+            1,
+            r"vocoder 0.1 \+ vocoder's talker engine 0.6 \+ reasoning 0.5 > 1.0",
         ),
         (  # each vocoder process takes its own share: 0.5 + 3 x 0.2 > 1
             config(

@@ -155,7 +155,7 @@ def test_a_reply_stopped_unheard_leaves_no_trace_in_the_history() -> None:
 
 
 class OneWordEngine:
-    """Stands in for stages.backends.llm_vllm.ReasoningEngine: every reply is one word."""
+    """Stands in for stages.backends.llm_vllm.VllmEngine: every reply is one word."""
 
     async def generate_pieces(
         self, request_id: str, prompt, sampling=None, tools=None, template=None
