@@ -835,7 +835,6 @@ def layout_config(
         overrides["encoder.options"] = {"max_new_tokens": 8}
         overrides["vocoder.options"] = (
             {
-                "audio_tokens_only": True,
                 "max_frames_per_char": 0.8,
                 "engine_args": {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024},
             }

@@ -91,9 +91,26 @@ def _build_talker(
     config = LlamaConfig(**shape, vocab_size=ORPHEUS_VOCAB, bos_token_id=0, eos_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config)
+        _speak_audio_tokens(model, shape["hidden_size"])
+        model = model.to(torch.bfloat16)
     model.save_pretrained(folder)
     mark_random(folder)
+
+
+def _speak_audio_tokens(model: Any, hidden_size: int) -> None:
+    """Give the audio tokens' rows of the output head logits of a std of about 8 (the others
+    keep the initialiser's, about 1): a random talker then samples audio tokens, as a trained
+    one does, instead of a vocabulary that is 82% text. (Restricting sampling to them is no
+    way: vLLM's GPU model runner takes at most 1,024 allowed token ids.) The final norm makes
+    the hidden state's entries about 1, so a row of std 8 / sqrt(hidden) gives logits of std 8.
+    """
+    import torch
+
+    head = model.get_output_embeddings().weight  # the input embedding too, when tied
+    audio = CodeLayout().audio_token_ids()
+    with torch.no_grad():
+        head[audio.start : audio.stop].normal_(0.0, 8.0 / hidden_size**0.5)
 
 
 def _build_snac(folder: Path, device: str) -> None:

@@ -332,7 +332,6 @@ _OPTIONS = (
     "voice",
     "engine_args",
     "sampling",
-    "audio_tokens_only",
     "audio_token_offset",
     "prompt_start",
     "prompt_end",
@@ -359,7 +358,6 @@ def load_talker(
     voice: str | None = "tara",
     engine_args: Mapping[str, Any] | None = None,
     sampling: Mapping[str, Any] | None = None,
-    audio_tokens_only: bool = False,
     audio_token_offset: int = CodeLayout.offset,
     prompt_start: Sequence[int] = ORPHEUS_PROMPT_START,
     prompt_end: Sequence[int] = ORPHEUS_PROMPT_END,
@@ -383,8 +381,7 @@ def load_talker(
     ``voice``: the speaker name the prompt starts with (Orpheus: tara, leah, jess, leo, dan,
     mia, zac, zoe; None: none). ``engine_args`` and ``sampling`` go to vLLM (``sampling``'s
     defaults are Orpheus's: temperature 0.6, top_p 0.8, repetition_penalty 1.3).
-    ``audio_tokens_only``: sample only audio tokens and the stop tokens (a random-weight
-    talker needs it). The layout: ``audio_token_offset``, ``prompt_start``, ``prompt_end``,
+    The layout: ``audio_token_offset``, ``prompt_start``, ``prompt_end``,
     ``stop_token_ids``. Streaming: ``first_frames`` frames (85 ms each) in a phrase's first
     block, ``stream_frames`` in each later one, each with ``lookahead_frames`` decoded after it
     and ``context_frames`` before. ``max_frames_per_char`` (at least ``min_frames``) bounds a
@@ -414,8 +411,6 @@ def load_talker(
     layout = CodeLayout(offset=audio_token_offset)
     sampling = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3, **(sampling or {})}
     sampling |= {"stop_token_ids": list(stop_token_ids), "detokenize": False}
-    if audio_tokens_only:
-        sampling["allowed_token_ids"] = [*layout.audio_token_ids(), *stop_token_ids]
     engine_args = {"skip_tokenizer_init": True, **(engine_args or {})}
 
     from transformers import AutoTokenizer

@@ -38,8 +38,7 @@ def config():
             "vocoder.vocoder": RANDOM_SNAC,
             "vocoder.batch": 16,
             "vocoder.options": {
-                "audio_tokens_only": True,  # random weights: sample only audio tokens
-                "max_frames_per_char": 0.8,  # ... and nothing ends a phrase but this bound
+                "max_frames_per_char": 0.8,  # random weights: nothing else ends a phrase
                 "engine_args": {"kv_cache_memory_bytes": 128 << 20, "max_model_len": 1024},
             },
         },

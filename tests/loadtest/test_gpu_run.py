@@ -75,7 +75,7 @@ def test_talker_layout_is_one_gpu_with_the_talker_voice() -> None:
     assert config.reasoning == one.reasoning and config.encoder == one.encoder
     assert config.gateway == one.gateway
     cpu, _ = layout_config("talker", MODELS, gpu_count=0, device="cpu")
-    assert cpu.vocoder.device == "cpu" and cpu.vocoder.options["audio_tokens_only"]
+    assert cpu.vocoder.device == "cpu" and cpu.vocoder.options["max_frames_per_char"] == 0.8
 
 
 def test_cpu_try_out_layout_needs_no_gpu() -> None:

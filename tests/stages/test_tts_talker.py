@@ -44,7 +44,6 @@ def models(tmp_path_factory) -> tuple[str, str]:
 def voice(models, one_torch_thread):
     talker = load_talker(
         *models,
-        audio_tokens_only=True,
         max_frames_per_char=FRAMES_PER_CHAR,
         engine_args={"kv_cache_memory_bytes": 128 << 20, "max_model_len": 1024},
     )
