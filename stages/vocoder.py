@@ -20,14 +20,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from stages.backends import bundled
-from stages.backends.speech import PhraseStream, Voice, split_pcm16
+from stages.backends.speech import BlockVoice, PhraseStream, Voice, split_pcm16
 from stages.config import RANDOM_SNAC, TINY_TALKER, VocoderConfig
 from stages.envelope import Envelope
 from stages.messages import (
@@ -143,13 +143,9 @@ class Reply:
                 close()
 
 
-class BatchingVoice(Voice, Protocol):
+class BatchingVoice(Voice, BlockVoice, Protocol):
     """A voice that steps several phrases in one pass (stages.backends.tts_speecht5 and
     tts_talker)."""
-
-    def begin(self, text: str, stop: Callable[[], bool] | None = None) -> PhraseStream: ...
-
-    def advance(self, streams: Sequence[PhraseStream]) -> list[np.ndarray]: ...
 
 
 class VocoderStage(QueuedStage):

@@ -12,7 +12,7 @@ import contextlib
 import difflib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -88,13 +88,14 @@ class PhraseStream(Protocol):
 
 
 class BlockVoice(Protocol):
-    """A voice whose phrases advance a block at a time, several in one pass."""
+    """A voice whose phrases advance a block at a time, several in one pass (the vocoder
+    steps them together)."""
 
     sample_rate: int
 
-    def begin(self, text: str, stop: Callable[[], bool] | None = None) -> Any: ...
+    def begin(self, text: str, stop: Callable[[], bool] | None = None) -> PhraseStream: ...
 
-    def advance(self, streams: Any) -> list[np.ndarray]: ...
+    def advance(self, streams: Sequence[Any]) -> list[np.ndarray]: ...
 
 
 def speak_by_blocks(
