@@ -351,11 +351,28 @@ class VllmEngine:
 
     async def abort_confirmed(self, request_ids: list[str], timeout: float = 0.1) -> float:
         """Abort ``request_ids`` and return the KV usage once the engine has applied the abort
-        (`kv_usage_after_abort`)."""
+        (`kv_usage_after_abort`).
+
+        When the aborts leave the engine with nothing to run, it goes idle and sends no more
+        stats to wait for; a round trip through the engine core's input queue, which it reads
+        in order, then says the aborts are applied, and with no request left nothing is held
+        (`idle_after_abort`)."""
         seq, usage = self.kv_stats_seq(), self.kv_usage()
         for request_id in request_ids:
             await self.abort(request_id)
-        return await self.kv_usage_after_abort(seq, usage, timeout, sent_seq=self.kv_stats_seq())
+        sent = self.kv_stats_seq()
+        if self._llm is not None and self.num_unfinished_requests() == 0:
+            if usage == 0.0 and self._kv.requests == 0:
+                self._kv.abort_waits.add("nothing_held")
+                return 0.0
+            try:
+                await asyncio.wait_for(self._llm.is_sleeping(), timeout)
+            except TimeoutError:
+                self._kv.abort_waits.add("timed_out")
+                return self.kv_usage()
+            self._kv.abort_waits.add("idle_after_abort")
+            return 0.0
+        return await self.kv_usage_after_abort(seq, usage, timeout, sent_seq=sent)
 
     @property
     def tokenizer(self) -> Any:

@@ -23,7 +23,9 @@ class AbortWaits:
     `freed_first_step`: the first stats record after the cancel showed less usage (or an empty
     scheduler); `freed_later_step`: a later one did (the first left the engine core before the
     abort reached it); `hidden`: two records after the abort went out, usage had not fallen,
-    since other replies took as many new blocks; `timed_out`; `nothing_held`. An ack that
+    since other replies took as many new blocks; `idle_after_abort`: the aborts left the engine
+    nothing to run, and a round trip through its input queue confirmed them; `timed_out`;
+    `nothing_held`. An ack that
     waited for a second step is one of `freed_later_step` and `hidden`."""
 
     def __init__(self, every_s: float = 10.0) -> None:

@@ -191,6 +191,30 @@ async def test_kv_usage_after_abort_with_another_stream_running(engine: VllmEngi
 
 
 @module_loop
+async def test_aborting_the_only_stream_is_confirmed_without_waiting_for_stats(
+    engine: VllmEngine,
+) -> None:
+    """The engine goes idle once its only request is aborted and sends no more stats: the
+    confirmation comes from a round trip through its input queue, not from the timeout."""
+    only = engine.generate("only-1", MESSAGES, LONG)
+    for _ in range(3):
+        await anext(only)
+    assert engine.kv_usage() > 0
+    waits = engine._kv.abort_waits.totals
+    before = waits["idle_after_abort"]
+    asked = time.monotonic()
+    usage = await engine.abort_confirmed(["only-1"], timeout=2.0)
+    took = time.monotonic() - asked
+    print(f"\nabort of the only stream -> confirmed {took * 1e3:.2f} ms")
+    assert usage == 0.0
+    assert waits["idle_after_abort"] == before + 1
+    assert waits["timed_out"] == 0
+    assert took < 1.0  # a round trip, not the 2 s timeout (a loaded CI machine may stall)
+    assert [d async for d in only] == []
+    await _assert_idle(engine)
+
+
+@module_loop
 async def test_consumer_cancel_and_close_abort_the_request(engine: VllmEngine) -> None:
     # Closing the generator (a consumer that stops reading) aborts.
     stream = engine.generate("close-1", MESSAGES, LONG)
