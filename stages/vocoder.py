@@ -50,6 +50,8 @@ from stages.stops import Stop
 
 logger = logging.getLogger(__name__)
 
+SLOW_FIRST_AUDIO_S = 1.0  # a reply's first audio later than this is logged with where it went
+
 
 def load_voice(config: VocoderConfig) -> Voice:
     """The configured voice, loaded (the same code for tests and production)."""
@@ -112,6 +114,7 @@ class Reply:
     # of audio), kept back until RESPONSE_RELEASE (None: one made as the turn ended)
     held: HeldBack[Msg | bytes] | None = None
     first_phrase_ns: int = 0  # stamp of the record that completed its first phrase
+    first_spoken_ns: int = 0  # when its first phrase went to the voice
 
     @property
     def at_pause(self) -> bool:
@@ -336,6 +339,7 @@ class VocoderStage(QueuedStage):
         """Announce the reply's next phrase to the gateway; its text, and its `stop` test."""
         text, ready_ns = reply.pending.popleft()
         reply.first_phrase_ns = reply.first_phrase_ns or ready_ns
+        reply.first_spoken_ns = reply.first_spoken_ns or time.monotonic_ns()
         phrase = Phrase(reply.response_id, text, self.voice.sample_rate, ready_ns)
         self._to_gateway(session, reply, phrase)
         epoch = reply.epoch
@@ -384,6 +388,14 @@ class VocoderStage(QueuedStage):
         if not reply.samples and len(chunk):
             made_s = (time.monotonic_ns() - reply.first_phrase_ns) / 1e9
             self.first_audio[reply.at_pause].add(made_s)
+            if made_s > SLOW_FIRST_AUDIO_S:  # where the time went: before the voice, or in it
+                logger.info(
+                    "vocoder: reply %s: first audio %.0f ms after its first phrase, given to "
+                    "the voice after %.0f ms",
+                    reply.response_id,
+                    made_s * 1000,
+                    (reply.first_spoken_ns - reply.first_phrase_ns) / 1e6,
+                )
         for piece in split_pcm16(chunk, self.voice.sample_rate):
             if not self._to_gateway(session, reply, piece.tobytes()):
                 return  # cancelled meanwhile: the CANCEL in the inbox drops the reply

@@ -63,6 +63,7 @@ ORPHEUS_PROMPT_START = (128259,)
 ORPHEUS_PROMPT_END = (128009, 128260, 128261, 128257)
 ORPHEUS_STOP = (128258,)
 _EMPTY = np.zeros(0, dtype=np.int16)
+SLOW_FIRST_BLOCK_S = 1.0  # a phrase's first block later than this is logged with its timeline
 
 
 class TalkerDeadError(SpeechBackendError):
@@ -82,6 +83,8 @@ class TalkStream:
         self.finished = False  # the engine is done with the request
         self.error: BaseException | None = None
         self.done = False  # all of its audio is out, or it was stopped
+        self.began = time.monotonic()
+        self.first_token_at: float | None = None  # monotonic, set by the engine's thread
         self._closed: Callable[[TalkStream], None] | None = None
 
     def close(self) -> None:
@@ -191,12 +194,31 @@ class TalkerVoice:
             audio = self.codec.decode([w for _, w in due])
             for (i, w), samples in zip(due, audio, strict=True):
                 blocks[i] = float_to_pcm16(samples)
+                if not streams[i].emitted:
+                    self._log_if_slow(streams[i])
                 streams[i].emitted += w.emit
         with self._new_tokens:  # the last block of a finished request ends its stream
             for s in streams:
                 if s.finished and s.read == len(s.tokens):
                     s.done = s.done or s.emitted >= len(s.codes) // TOKENS_PER_FRAME
         return blocks
+
+    def _log_if_slow(self, stream: TalkStream) -> None:
+        """A phrase whose first block took over a second: how long its first token took, and
+        how busy the talker was."""
+        now = time.monotonic()
+        if now - stream.began <= SLOW_FIRST_BLOCK_S:
+            return
+        first = stream.first_token_at
+        logger.info(
+            "talker: %s: first block %.0f ms after it began, its first token after %s, "
+            "%d tokens so far, %d requests live",
+            stream.request_id,
+            (now - stream.began) * 1000,
+            "-" if first is None else f"{(first - stream.began) * 1000:.0f} ms",
+            len(stream.tokens),
+            len(self._live),
+        )
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -238,6 +260,8 @@ class TalkerVoice:
             ) as steps:
                 async for ids in steps:
                     with self._new_tokens:
+                        if stream.first_token_at is None:
+                            stream.first_token_at = time.monotonic()
                         stream.tokens.extend(ids)
                         self._new_tokens.notify_all()
                     if stream.done or stream.stop():
@@ -272,6 +296,27 @@ class TalkerVoice:
         first = max(0, start - self.context_frames)
         frames = frames_of(stream.codes[first * TOKENS_PER_FRAME : end * TOKENS_PER_FRAME])
         return Window(frames, start - first, emit)
+
+    def warm_up_batches(self, most: int, timeout_s: float = 120.0) -> None:
+        """Speak groups of 1, 2, 4, ... up to ``most`` phrases at once, each begun while the
+        others decode. vLLM builds some kernels on the first step of a batch of a new size
+        class, not at start-up: measured on an H200, the talker's engine stood still for about
+        3.4 s the first time 8, and again 32, requests ran together, with every caller's audio
+        waiting. They are built here instead."""
+        deadline = time.monotonic() + timeout_s
+        sizes = sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
+        for n in sizes:
+            streams: list[TalkStream] = []
+            for _ in range(n):
+                streams.append(self.begin("Hello there."))
+                self.advance(streams)  # its prefill joins the others' decoding
+            while not all(s.done for s in streams):
+                if time.monotonic() > deadline:
+                    for s in streams:
+                        s.close()
+                    logger.warning("talker: warming up batches of %d phrases timed out", n)
+                    return
+                self.advance(streams)
 
     def window_sizes(self) -> list[int]:
         """The window sizes a phrase's blocks take before they reach the steady one."""
@@ -347,6 +392,7 @@ _OPTIONS = (
     "codec_dtype",
     "cuda_graphs",
     "warmup",
+    "warmup_streams",
 )
 
 
@@ -373,6 +419,7 @@ def load_talker(
     codec_dtype: str = "float32",
     cuda_graphs: bool = True,
     warmup: bool = True,
+    warmup_streams: int | None = None,
     **unknown: Any,
 ) -> TalkerVoice:
     """Start the talker ``model`` (folder or cached hub id, with its tokenizer) in vLLM and load
@@ -387,7 +434,9 @@ def load_talker(
     and ``context_frames`` before. ``max_frames_per_char`` (at least ``min_frames``) bounds a
     phrase's length. ``wait_ms``: how long `advance` waits for tokens when no stream has a
     block. ``cuda_graphs``: replay the decoder's regular windows as CUDA graphs on a GPU.
-    ``warmup``: decode (or record) every window size now, and speak a word.
+    ``warmup``: decode (or record) every window size now, and speak a word; then, with
+    ``warmup_streams`` above 1 (default: 64 on a GPU, 1 on the CPU), speak that many phrases at
+    once, in growing groups (`TalkerVoice.warm_up_batches`).
     """
     reject_unknown_options("talker", unknown, _OPTIONS)
     for key, value, low in (
@@ -402,6 +451,14 @@ def load_talker(
     if not 0.05 <= max_frames_per_char <= 10:
         raise SpeechOptionError(
             f"talker option max_frames_per_char={max_frames_per_char!r} must be in 0.05..10"
+        )
+    if warmup_streams is not None and (
+        isinstance(warmup_streams, bool)
+        or not isinstance(warmup_streams, int)
+        or not 1 <= warmup_streams <= 1024
+    ):
+        raise SpeechOptionError(
+            f"talker option warmup_streams={warmup_streams!r} must be an int in 1..1024"
         )
     if not 0 <= wait_ms <= 100:
         raise SpeechOptionError(f"talker option wait_ms={wait_ms!r} must be in 0..100")
@@ -455,6 +512,9 @@ def load_talker(
             codec_decoder.warm_up(voice_.window_sizes())
             for _ in voice_.synthesize("Hello."):
                 pass
+            streams = warmup_streams or (64 if torch_device.type == "cuda" else 1)
+            if streams > 1:
+                voice_.warm_up_batches(streams)
         except BaseException:
             voice_.close()
             raise

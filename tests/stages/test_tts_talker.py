@@ -137,6 +137,17 @@ def test_abort_stopped_aborts_only_the_cancelled_sessions_streams(voice: TalkerV
     assert made < TOKENS_PER_FRAME * int(len("This caller is about to be interrupted. " * 3) * 0.5)
 
 
+def test_warming_up_batches_speaks_every_group_to_its_end(voice: TalkerVoice) -> None:
+    """Groups of 1, 2 and 3 phrases (the last capped at `most`), each spoken out; nothing
+    is left running in the engine, and the voice speaks as before."""
+    before = next(voice._ids)
+    voice.warm_up_batches(3)
+    assert next(voice._ids) - before - 1 == 1 + 2 + 3
+    assert not voice._live
+    wait_idle(voice)
+    assert len(np.concatenate(list(voice.synthesize("Still here.")))) > 0
+
+
 def test_bad_options_are_named(models) -> None:
     with pytest.raises(SpeechOptionError, match="unknown talker option 'frames'"):
         load_talker(*models, frames=2)
@@ -144,3 +155,5 @@ def test_bad_options_are_named(models) -> None:
         load_talker(*models, stream_frames=0)
     with pytest.raises(SpeechOptionError, match="max_frames_per_char"):
         load_talker(*models, max_frames_per_char=100)
+    with pytest.raises(SpeechOptionError, match="warmup_streams=0"):
+        load_talker(*models, warmup_streams=0)
