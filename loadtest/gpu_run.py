@@ -234,7 +234,7 @@ def stage_milestones(seen: list[Seen]) -> dict[str, Any]:
     phrase_of: dict[tuple[str | None, int], str] = {}  # (call, session) -> response speaking
     for s in seen:
         c = calls[s.call_id or f"session-{s.session}"]
-        if s.kind is Kind.TRANSCRIPT and s.msg.final:
+        if s.kind is Kind.TRANSCRIPT and s.msg.final and not s.msg.speculative:
             c["finals"].append((s.msg.speech_stopped_ns, s.t_ns, s.msg.turn_id, s.msg.decode_ns))
         elif s.kind is Kind.RESPONSE_STARTED and s.stage == "reasoning":
             r = c["responses"].setdefault(s.msg.response_id, {"deltas": []})

@@ -101,6 +101,12 @@ class EncoderConfig(TorchStageConfig):
         4, ge=1, le=64, description="threads decoding turns (one session's turns run in order)"
     )
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
+    end_of_turn_words: str | None = Field(
+        None,
+        description="semantic_vad: a small chat model (a Hugging Face id, a local folder, or "
+        "bundled:NAME) that judges at the caller's pause whether their words so far end the "
+        "turn (stages.backends.words_end_turn), on `device`; null: the sound alone decides",
+    )
 
     @model_validator(mode="after")
     def _whisper_needs_model(self) -> EncoderConfig:
@@ -110,6 +116,7 @@ class EncoderConfig(TorchStageConfig):
                 "bundled:NAME)"
             )
         _known_bundled(self.model)
+        _known_bundled(self.end_of_turn_words)
         return self
 
 

@@ -87,7 +87,7 @@ def collect_reply(
         m = ev.msg
         if ev.kind is Kind.ERROR:
             raise TurnFailed(f"{m.stage}: {m.code}: {m.message}")
-        if ev.kind is Kind.TRANSCRIPT and m.final:
+        if ev.kind is Kind.TRANSCRIPT and m.final and not m.speculative:
             result.transcript = m.text
             result.t_ns["transcript"] = ev.t_ns
             if not m.text or not m.create_response:

@@ -14,10 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from stages.backends import bundled
 from stages.backends.speech import RecognizerStream, SpeechRecognizer
+from stages.backends.words_end_turn import WordsEndTurn
 from stages.config import EncoderConfig
 from stages.envelope import Envelope
 from stages.lanes import SessionLanes
@@ -57,6 +59,15 @@ def load_recognizer(config: EncoderConfig) -> SpeechRecognizer:
     )
 
 
+def load_words_judge(config: EncoderConfig) -> WordsEndTurn | None:
+    """The model that judges at a pause whether the words end the turn, if configured."""
+    if config.end_of_turn_words is None:
+        return None
+    from stages.backends.words_end_turn import load_words_end_turn
+
+    return load_words_end_turn(bundled.resolve(config.end_of_turn_words), config.device)
+
+
 @dataclass
 class Turn:
     """One caller turn. The model loop creates and drops it; its stream is touched only by jobs
@@ -82,6 +93,7 @@ class EncoderStage(QueuedStage):
     def load(self) -> dict[str, Any]:
         t0 = time.monotonic()
         self.recognizer = load_recognizer(self.config.encoder)
+        self.words = load_words_judge(self.config.encoder)
         self.turns: dict[int, Turn] = {}
         self.lanes = SessionLanes(
             self.config.encoder.decode_threads,
@@ -200,6 +212,10 @@ class EncoderStage(QueuedStage):
             speculative=True,
         )
         self.send("reasoning", session, early, epoch=turn.epoch)
+        # semantic_vad weighs the words with the sound; the gateway waits for this answer
+        finished = self.words.probability(early.text) if self.words is not None else None
+        judged = msgspec.structs.replace(early, finished=-1.0 if finished is None else finished)
+        self.send(GATEWAY, session, judged, epoch=turn.epoch)
 
     def _resume(self, session: int, turn: Turn) -> None:
         """The caller went on: reasoning drops its early start, the held audio is decoded."""

@@ -90,9 +90,12 @@ class Transcript(Msg):
     # recognizer time after the SPEECH_STOPPED stamp: audio still being decoded, then the final
     # decode (model time on the path to the reply, for the pipeline overhead)
     decode_ns: int = 0
-    # encoder -> reasoning only: the turn so far at a TURN_PAUSED, to start the reply on; the
-    # final transcript (same text when the caller did not go on) commits it
+    # the turn so far at a TURN_PAUSED: reasoning starts the reply on it (the final transcript,
+    # the same text when the caller did not go on, commits it); the gateway reads `finished`
     speculative: bool = False
+    # speculative only: how likely the words end the caller's turn (0..1, from
+    # encoder.end_of_turn_words; -1: not judged), weighed by semantic_vad
+    finished: float = -1.0
 
 
 class Tool(Msg):

@@ -499,6 +499,8 @@ class RealtimeSession:
                 ahead = self._ahead_of_start(env, msg.response_id)
                 if not ahead and (reply := replies.current_for(msg.response_id)):
                     replies.audio_done(reply)
+            case Transcript() if msg.speculative:  # the turn so far, at the caller's pause
+                self.turns.words_judged(msg.turn_id, msg.finished)
             case Transcript():
                 self.spans.transcript(msg, env.t_ns)
                 self.turns.transcript(msg.turn_id, msg.text, msg.final)

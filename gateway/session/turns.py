@@ -8,6 +8,7 @@ a `TurnListener`.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from collections.abc import Callable, Coroutine
@@ -43,6 +44,10 @@ CHUNK_SAMPLES = 3200  # 200 ms at 16 kHz, what a commit sends at a time
 TURN_AUDIO_FRAMES = 12 * 1000 // FRAME_MS  # a turn's audio kept: the end-of-turn model reads
 # the last 8 s, a provisional turn is replayed from its start once it interrupts (confirm_ms
 # of voice, at most 5 s)
+
+
+WORDS_CUT_OFF = 0.05  # the encoder's words model below this: the sentence stops mid-way
+WORDS_FINISHED = 0.2  # from this, the words end a sentence (stages.backends.words_end_turn)
 
 
 class Eagerness:
@@ -137,6 +142,10 @@ class CallerTurns:
         self.turn_audio_start_ms = 0
         self._voiced_ms = 0  # voiced time in the turn in progress
         self._asked_at = -1  # the pause (its speech end) the end-of-turn model was asked about
+        # semantic_vad: the encoder's judgement of the words at each pause sent to it, keyed by
+        # (turn, the pause's speech end); the encoder answers TURN_PAUSEDs in order
+        self._words: dict[tuple[int, int], asyncio.Future[float | None]] = {}
+        self._words_asked: collections.deque[tuple[int, int]] = collections.deque()
 
     def _silence_limit_ms(self, td: TurnDetection) -> int:
         """semantic_vad waits up to the eagerness's maximum; the model ends turns sooner."""
@@ -185,6 +194,7 @@ class CallerTurns:
                 if (rest := self.chunker.flush()) is not None:
                     self.link.send_audio(self.session, rest)
                 self.link.turn_paused(self.session, self.turn_id, self.create_response)
+                self._expect_words(vad_event.speech_end_ms)
             elif isinstance(vad_event, SpeechResumed):
                 self.link.turn_resumed(self.session, self.turn_id)
         self.listener.maybe_speaking(not self.vad.in_speech and self.vad.voiced_run > 0)
@@ -212,22 +222,79 @@ class CallerTurns:
         self.spawn(self._end_of_turn(self.turn_id, pause, audio), f"end-of-turn-{self.turn_id}")
 
     async def _end_of_turn(self, turn_id: int, pause: int, audio: np.ndarray) -> None:
+        """Weigh how the turn sounds (the end-of-turn model) with how its words read (the
+        encoder's judgement at the pause, when it has a words model): sure of both, the turn
+        ends now; words that stop mid-sentence never end it before the silence window."""
         assert self.end_of_turn is not None
         p, took_s = await self.end_of_turn.probability(audio)
         self.metrics.end_of_turn.observe(took_s)
         td = self.config.turn_detection
+        if td is None or not td.semantic:
+            return
+        words = await self._words_at(turn_id, pause, td.silence_duration_ms)
         still = turn_id == self.turn_id and self.vad.in_speech and self.vad.speech_end_ms == pause
-        if td is None or not td.semantic or not still:
+        if not still:
             return  # the caller spoke again, or the turn ended meanwhile
         eagerness = Eagerness(td.eagerness)
-        logger.debug("turn %d: end-of-turn probability %.3f at %d ms", turn_id, p, pause)
-        if p >= eagerness.complete:
+        logger.debug(
+            "turn %d at %d ms: end-of-turn probability %.3f, words %s",
+            turn_id,
+            pause,
+            p,
+            "-" if words is None else f"{words:.3f}",
+        )
+        if words is not None and words < WORDS_CUT_OFF:
+            if p >= eagerness.unsure:
+                self.vad.limit_pause(td.silence_duration_ms)
+            return  # else it sounds cut off too, and waits up to the eagerness's maximum
+        words_finish = words is not None and words >= WORDS_FINISHED
+        if p >= eagerness.complete or (words_finish and p >= eagerness.unsure):
             stopped = self.vad.end_turn()
             assert stopped is not None
             self.end(stopped.audio_end_ms, self.create_response)
-        elif p >= eagerness.unsure:
+        elif p >= eagerness.unsure or words is not None:
             self.vad.limit_pause(td.silence_duration_ms)
         # else: it sounds cut off, and waits for the caller up to the eagerness's maximum
+
+    def _expect_words(self, pause: int) -> None:
+        """A TURN_PAUSED went to the encoder: semantic_vad will want its judgement of the
+        words."""
+        if not self.semantic or self.spawn is None:
+            return
+        key = (self.turn_id, pause)
+        self._words[key] = asyncio.get_running_loop().create_future()
+        self._words_asked.append(key)
+
+    def words_judged(self, turn_id: int, finished: float) -> None:
+        """The encoder's answer to the oldest pause of `turn_id` it has not answered: how
+        likely its words end the turn (-1: not judged)."""
+        while self._words_asked:
+            key = self._words_asked.popleft()
+            if key[0] == turn_id:
+                future = self._words.get(key)
+                if future is not None and not future.done():
+                    future.set_result(finished if finished >= 0 else None)
+                return
+            # an earlier turn's pause the encoder never answered (the turn was dropped)
+
+    async def _words_at(self, turn_id: int, pause: int, window_ms: int) -> float | None:
+        """The words' judgement at this pause, waited for until the silence window would
+        have ended the turn anyway; None without one."""
+        future = self._words.get((turn_id, pause))
+        if future is None:
+            return None
+        silent_ms = self.vad.silence_ms if self.vad.speech_end_ms == pause else window_ms
+        budget = max(window_ms - silent_ms, 0) / 1000
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), budget)
+        except TimeoutError:
+            return None  # no answer in time: the sound decides
+        except asyncio.CancelledError:
+            if future.cancelled():
+                return None  # a new turn began meanwhile
+            raise  # the session's task itself is cancelled
+        finally:
+            self._words.pop((turn_id, pause), None)
 
     # -- turns ---------------------------------------------------------------------------------
 
@@ -252,6 +319,9 @@ class CallerTurns:
         self.turn_audio.clear()
         self.turn_audio_start_ms = audio_start_ms
         self._voiced_ms = 0
+        for future in self._words.values():
+            future.cancel()
+        self._words.clear()  # the queue of asked pauses keeps order for the encoder's answers
 
     def begin_again(self) -> None:
         """The provisional turn in progress interrupts after all, and a cancel has purged it
