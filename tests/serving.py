@@ -20,15 +20,6 @@ from gateway.server import build_app
 from stages.rings import RingNames, RingSet
 from stages.supervisor import Supervisor
 
-# The tiny profile hearing with the real Whisper tiny.en (the turn-taking tests: the
-# end-of-turn models judge what the caller really said), finals only
-WHISPER_TINY_EN = {
-    "encoder.backend": "ctranslate2",
-    "encoder.model": "bundled:whisper-tiny.en",
-    "encoder.options": {"cpu_threads": 2, "beam_size": 5},
-    "encoder.partial_interval_ms": 0,
-}
-
 
 @asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[str]:

@@ -1,7 +1,7 @@
 """The offline profile (configs/offline.yaml) with its real models, end to end: a caller asks
 questions aloud over WebRTC (real aiortc peers on 127.0.0.1, real Opus) and hears correct
 spoken answers, Whisper tiny.en hearing them, SmolLM2 on vLLM answering, the Piper voice
-speaking."""
+speaking; and a question paused mid-sentence stays one turn under semantic_vad."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 
 from gateway.client import RealtimeCall
 from gateway.config import load_config
+from gateway.end_of_turn import EndOfTurnModel
+from loadtest.offline_quality import speak
 from stages.audio import resample, write_wav
 from stages.backends import bundled
 from stages.backends.asr_ctranslate2 import load_ctranslate2_whisper
@@ -68,5 +70,42 @@ async def test_spoken_questions_get_correct_spoken_answers(server, ear, tmp_path
             await call.next_event("output_audio_buffer.stopped", timeout=60)
             spoken = call.speaker.pcm()[heard_from:]
             assert answer in words(ear.transcribe(resample(spoken, 48000, 16000))), said
+    finally:
+        await call.close()
+
+
+async def test_semantic_vad_holds_a_turn_whose_words_stop_mid_sentence(server) -> None:
+    """semantic_vad weighs the words at the pause (the profile's encoder.end_of_turn_words):
+    "Can you tell me the weather", a pause of 350 ms, "in Paris today?" in espeak's voice. The
+    first half sounds finished to the end-of-turn model (checked here), but its words do not
+    end a sentence, so the turn waits the silence window and the caller goes on inside it: one
+    turn, the whole question."""
+    base, _ = server
+    first, rest = (
+        speak([text], "espeak:en-us")[0]
+        for text in ("Can you tell me the weather", "in Paris today?")
+    )
+    first = first[: np.flatnonzero(np.abs(first) > 500)[-1] + 1]  # its silence after, cut
+    rest = rest[np.flatnonzero(np.abs(rest) > 500)[0] :]
+    pause = np.zeros(48 * 350, np.int16)
+    sounds = EndOfTurnModel(bundled.resolve("bundled:smart-turn-v3.2"))
+    heard = resample(first[14400:], 48000, 16000)
+    assert sounds.probability(np.concatenate([heard, np.zeros(3200, np.int16)])) >= 0.5
+    call = await RealtimeCall.connect(base)
+    try:
+        await call.next_event("session.created")
+        td = {"type": "semantic_vad", "eagerness": "high"}  # ends at 0.5: this sound would
+        call.send(
+            {"type": "session.update", "session": {"audio": {"input": {"turn_detection": td}}}}
+        )
+        await call.next_event("session.updated")
+        call.microphone.play(np.concatenate([first, pause, rest]))
+        done = await call.next_event(
+            "conversation.item.input_audio_transcription.completed", timeout=30
+        )
+        stopped = [e for _, e in call.history if e["type"] == "input_audio_buffer.speech_stopped"]
+        assert len(stopped) == 1, "the turn ended inside the pause"
+        assert "paris" in done["transcript"].lower(), done["transcript"]
+        assert "weather" in done["transcript"].lower(), done["transcript"]
     finally:
         await call.close()

@@ -87,13 +87,16 @@ async def test_a_turn_is_spoken_by_the_talker_and_a_barge_in_frees_its_kv(
             f"{cancelled['stages_ms']}"
         )
 
-        # the next turn is answered by the talker too
-        done = await call.next_event("response.done", timeout=90)
-        while done["response"]["id"] == rid:
-            done = await call.next_event("response.done", timeout=90)
-        assert done["response"]["status"] == "completed"
-        await call.next_event("output_audio_buffer.stopped", timeout=120)
-        heard = call.speaker.pcm().astype(np.float64)
+        # the next turn is answered by the talker too: its voice reaches the caller
+        started = await call.next_event("output_audio_buffer.started", timeout=90)
+        while started["response_id"] == rid:
+            started = await call.next_event("output_audio_buffer.started", timeout=90)
+        heard_from = len(call.speaker.levels)
+        deadline = time.monotonic() + 30
+        while sum(lvl > SILENT_RMS for lvl in call.speaker.levels[heard_from:]) < 25:
+            assert time.monotonic() < deadline, "the next reply's voice did not come"
+            await asyncio.sleep(0.05)  # frames arrive on the call's own track task
+        heard = np.concatenate(call.speaker.frames[heard_from:]).astype(np.float64)
         assert np.sqrt(np.mean(heard**2)) > 100, "the talker's audio did not reach the caller"
     finally:
         await call.close()

@@ -18,7 +18,6 @@ from gateway.config import load_config
 from loadtest.offline_quality import speak
 from loadtest.sounds import cough, noise_burst
 from stages.audio import resample
-from tests.serving import WHISPER_TINY_EN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
@@ -32,7 +31,10 @@ def config():
     return load_config(
         TINY,
         {
-            **WHISPER_TINY_EN,
+            "encoder.backend": "ctranslate2",
+            "encoder.model": "bundled:whisper-tiny.en",
+            "encoder.options": {"cpu_threads": 2, "beam_size": 5},
+            "encoder.partial_interval_ms": 0,
             "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
             "gateway.interruptions.policy": "provisional",
             "gateway.voice_activity": "silero",
