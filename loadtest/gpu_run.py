@@ -1077,7 +1077,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.caller_pause_ms <= 5000:
         parser.error(f"--caller-pause-ms {args.caller_pause_ms}: must be 0..5000")
-    from loadtest.gpu_models import describe, ensure_models
+    from loadtest.gpu_models import describe
     from stages.placement import count_gpus
 
     args.gpu_count = count_gpus() if args.device == "cuda" else 0
@@ -1121,11 +1121,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(f"machine: {results['machine']['gpus'] or 'no GPU'}; layouts {layouts}")
     t0 = time.monotonic()
-    # built in a process of its own: CUDA memory the build used (27 GiB for the 7B model) is
-    # given back with it instead of staying on GPU 0 beside the stages for the whole run
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        preset = args.preset or ("real" if args.device == "cuda" else "tiny")
-        models = pool.submit(ensure_models, args.models_root, args.device, preset).result()
+    preset = args.preset or ("real" if args.device == "cuda" else "tiny")
+    models = build_models(args.models_root, args.device, preset)
     results["models"] = {"build_s": round(time.monotonic() - t0, 1), **describe(models)}
     log(f"models ready in {results['models']['build_s']} s")
     speech = caller_speech(args.caller_pause_ms)
@@ -1144,6 +1141,16 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results), flush=True)
     (args.out / "table.md").write_text(table(results) + "\n")
     return 0
+
+
+def build_models(root: Path, device: str, preset: str) -> Any:
+    """The layouts' models (loadtest.gpu_models), built once under `root` in a process of
+    its own: CUDA memory the build used (27 GiB for the 7B model) is given back with it
+    instead of staying on GPU 0 beside the stages for the whole run."""
+    from loadtest.gpu_models import ensure_models
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(ensure_models, root, device, preset).result()
 
 
 def stages_account(run_log: Path, layouts: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,15 @@
 """Turn-taking benchmark: when the agent answers, and what stops it, under each turn detection
 and interruption policy, side by side in one run.
 
-    python -m loadtest.turn_taking [--config configs/offline.yaml] [--callers 1] [--limit N]
-        [--variants immediate:webrtc,provisional:webrtc,provisional:silero]
+    python -m loadtest.turn_taking [--config configs/offline.yaml] [--callers 1[,8,...]]
+        [--limit N] [--variants immediate:webrtc,provisional:webrtc,provisional:silero]
         [--set KEY=VALUE ...] [--out DIR]
+    python -m loadtest.turn_taking --layout one --models-root /tmp/gpu-models --callers 8,32 ...
+
+`--layout` runs one of loadtest.gpu_run's layouts (gpu-one.yaml: random weights of real
+shapes, built under --models-root as gpu_run builds them) instead of a config file; --set
+changes it as there (e.g. the real Whisper tiny.en on the host's CPU, whose words the
+end-of-turn words model can judge).
 
 A labelled set is made here with the project's voices (the Piper voice, two espeak-ng voices):
 finished questions; the same questions with a pause of 300 or 700 ms cut into them at a quiet
@@ -293,29 +299,50 @@ def _lag_p99_ms(gateway: Any) -> float | None:
     return None
 
 
-async def run_variant(config_path: Path, variant: str, clips: list[Clip], args: Any) -> dict:
+def variant_config(variant: str, args: Any) -> Any:
+    """The service's configuration for POLICY:CLASSIFIER: the config file's, or the GPU
+    layout's with its built models, replies made long enough for sounds to fall inside."""
     from gateway.config import load_config
-    from loadtest.gpu_run import tapped_gateway
-    from stages.supervisor import Supervisor
 
     policy, _, classifier = variant.partition(":")
     settings = {
         "gateway.port": 0,
         "gateway.interruptions.policy": policy,
         "gateway.voice_activity": classifier or "webrtc",
-        "reasoning.sampling": {"max_tokens": 200, "ignore_eos": True},
+        "reasoning.sampling.max_tokens": 200,
+        "reasoning.sampling.ignore_eos": True,
         **setting_overrides([dimension[0] for dimension in args.set]),
     }
-    config = load_config(config_path, settings)
+    if args.layout is None:
+        return load_config(args.config, settings)
+    from loadtest.gpu_run import Variant, layout_config
+
+    config, _ = layout_config(
+        args.layout,
+        args.models,
+        args.gpu_count,
+        args.device,
+        Variant(settings=tuple(settings.items())),
+    )
+    return config
+
+
+async def run_variant(variant: str, clips: list[Clip], args: Any) -> dict:
+    from loadtest.gpu_run import tapped_gateway
+    from stages.supervisor import Supervisor
+
+    config = variant_config(variant, args)
     out: dict[str, Any] = {}
-    with Supervisor(config) as supervisor:
+    with Supervisor(config, gateways=config.gateway.processes) as supervisor:
         supervisor.start(progress=log)
         async with tapped_gateway(config, supervisor) as (base, gateway, _):
-            for td in TURN_DETECTIONS:
-                log(f"{variant} / {td}: {args.callers} caller(s), {len(clips)} clips each")
-                gateway.metrics.loop_lag.clear()
-                reports = await _run_callers(base, args.callers, clips, td)
-                out[td] = {"trials": reports, "loop_lag_p99_ms": _lag_p99_ms(gateway)}
+            for callers in args.callers:
+                for td in TURN_DETECTIONS:
+                    log(f"{variant} / {td}: {callers} caller(s), {len(clips)} clips each")
+                    gateway.metrics.loop_lag.clear()
+                    reports = await _run_callers(base, callers, clips, td)
+                    lag = _lag_p99_ms(gateway)  # the first gateway process's
+                    out[f"{td} {callers}"] = {"trials": reports, "loop_lag_p99_ms": lag}
     return out
 
 
@@ -348,9 +375,9 @@ def figures(trials: list[dict[str, Any]]) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     lines = [
         f"machine: {results['machine'].get('cpus')} CPUs, GPUs {results['machine'].get('gpus')}; "
-        f"config {results['config']}; {results['callers']} caller(s)",
+        f"config {results['config']}; callers {results['callers']}",
         "",
-        "| policy:classifier | turn detection | first audio p50 / p95 ms "
+        "| policy:classifier | turn detection, callers | first audio p50 / p95 ms "
         "| premature 300 / 700 ms pause | false barge-ins (cough, noise, backchannel) "
         "| paused by them | missed barge-ins "
         "| barge-in p50 / p95 ms | loop lag p99 ms |",
@@ -385,7 +412,20 @@ def _shown(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "offline.yaml")
-    parser.add_argument("--callers", type=int, default=1, help="calls at once, each the set")
+    parser.add_argument(
+        "--layout",
+        default=None,
+        help="a loadtest.gpu_run layout (one, talker, ...) instead of --config, its models "
+        "under --models-root",
+    )
+    parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="--layout's")
+    parser.add_argument(
+        "--callers",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[1],
+        help="calls at once, each the whole set; several loads as 1,8,32",
+    )
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
     parser.add_argument(
         "--variants",
@@ -397,7 +437,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(len(dimension) > 1 for dimension in args.set):
         parser.error("--set takes one value per key here: the variants are the policies")
+    if not args.callers or min(args.callers) < 1:
+        parser.error(f"--callers {args.callers}: at least one load of at least 1 caller")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.layout is not None:
+        from loadtest.gpu_run import LAYOUT_CONFIGS, build_models
+        from stages.placement import count_gpus
+
+        if args.layout not in LAYOUT_CONFIGS:
+            parser.error(f"--layout {args.layout!r}: one of {', '.join(LAYOUT_CONFIGS)}")
+        args.gpu_count = count_gpus() if args.device == "cuda" else 0
+        preset = "real" if args.device == "cuda" else "tiny"
+        log(f"building the {preset} models of layout {args.layout} under {args.models_root}")
+        args.models = build_models(args.models_root, args.device, preset)
     log("making the labelled set")
     clips = labelled_set(args.limit)
     results: dict[str, Any] = {
@@ -405,13 +457,13 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python -m loadtest.turn_taking " + " ".join(argv or sys.argv[1:]),
         "machine": describe_machine(),
-        "config": _shown(args.config),
+        "config": _shown(args.config) if args.layout is None else f"layout {args.layout}",
         "callers": args.callers,
         "clips": [c.label() for c in clips],
         "policies": {},
     }
     for variant in args.variants.split(","):
-        by_td = asyncio.run(run_variant(args.config, variant, clips, args))
+        by_td = asyncio.run(run_variant(variant, clips, args))
         for r in by_td.values():
             trials = r["trials"]
             flat = [t for caller in trials for t in caller] if isinstance(trials, list) else []

@@ -8,6 +8,10 @@
 # Usage: loadtest/gpu/pack.sh OUT_DIR [CHUNK_MiB]   (OUT_DIR inside the checkout, ignored by git;
 # CHUNK_MiB = 64 minus the size of everything else sent with a piece, default 58).
 # PY312 names a CPython 3.12 (its headers) to build the extension for (default: python3.12).
+# BUNDLED names bundled models (stages/backends/bundled.py) fetched here to travel too, e.g.
+# BUNDLED="smart-turn-v3.2 silero-vad smollm2-135m-instruct whisper-tiny.en piper-en_US-joe-medium"
+# for the turn-taking run; they land in /tmp/omni-cache/models there, the OMNI_GATEWAY_CACHE
+# device-run.sh sets.
 set -euo pipefail
 out=${1:?usage: pack.sh OUT_DIR [CHUNK_MiB]}
 chunk=${2:-58}
@@ -30,7 +34,21 @@ python3 -m pip download -q --no-deps "${target[@]}" -d "$work/w" -r "$here/requi
 # sdist only: built into a wheel here. It loads the libopus of PyAV's wheel there.
 python3 -m pip wheel -q --no-deps -w "$work/w" opuslib==3.0.1
 python3 -m pip install -q --no-index --no-deps --no-compile "${target[@]}" --target "$work/vpsite" "$work"/w/*.whl
-tar -C "$work" -cf - vpsite | gzip -1 > "$work/vp.tar.gz"
+members=(vpsite)
+if [ -n "${BUNDLED:-}" ]; then
+    cache=${OMNI_GATEWAY_CACHE:-$HOME/.cache/omni-gateway}
+    mkdir -p "$work/omni-cache/models"
+    for name in $BUNDLED; do
+        if [ ! -f "$cache/models/$name/.omni-gateway-build-complete" ]; then
+            echo "pack.sh: bundled model $name is not built in $cache/models: run" \
+                 "\`omni-gateway models fetch $name\` first" >&2
+            exit 1
+        fi
+        cp -a "$cache/models/$name" "$work/omni-cache/models/"
+    done
+    members+=(omni-cache)
+fi
+tar -C "$work" -cf - "${members[@]}" | gzip -1 > "$work/vp.tar.gz"
 rm -f "$out"/p?? "$out"/SUMS
 split -b "${chunk}M" -d -a 2 "$work/vp.tar.gz" "$out/p"
 (cd "$out" && sha256sum p?? > SUMS)
