@@ -199,7 +199,9 @@ class EncoderStage(QueuedStage):
         if turn.dropped or turn.paused is not None:
             return
         peek = getattr(self._stream(turn), "peek", None)
-        if peek is None:  # this backend cannot transcribe a turn that goes on
+        if peek is None:  # this backend cannot transcribe a turn that goes on: no words to weigh
+            unjudged = Transcript(turn.turn_id, "", final=True, speculative=True)
+            self.send(GATEWAY, session, unjudged, epoch=turn.epoch)
             return
         t0 = time.monotonic_ns()
         turn.paused = PausedTurn(peek())

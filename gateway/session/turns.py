@@ -145,7 +145,7 @@ class CallerTurns:
         # semantic_vad: the encoder's judgement of the words at each pause sent to it, keyed by
         # (turn, the pause's speech end); the encoder answers TURN_PAUSEDs in order
         self._words: dict[tuple[int, int], asyncio.Future[float | None]] = {}
-        self._words_asked: collections.deque[tuple[int, int]] = collections.deque()
+        self._words_asked: collections.deque[tuple[int, int]] = collections.deque(maxlen=16)
 
     def _silence_limit_ms(self, td: TurnDetection) -> int:
         """semantic_vad waits up to the eagerness's maximum; the model ends turns sooner."""
@@ -268,14 +268,13 @@ class CallerTurns:
     def words_judged(self, turn_id: int, finished: float) -> None:
         """The encoder's answer to the oldest pause of `turn_id` it has not answered: how
         likely its words end the turn (-1: not judged)."""
-        while self._words_asked:
-            key = self._words_asked.popleft()
-            if key[0] == turn_id:
-                future = self._words.get(key)
-                if future is not None and not future.done():
-                    future.set_result(finished if finished >= 0 else None)
-                return
-            # an earlier turn's pause the encoder never answered (the turn was dropped)
+        asked = self._words_asked
+        while asked and asked[0][0] < turn_id:
+            asked.popleft()  # an earlier turn's pause the encoder never answered (dropped)
+        if asked and asked[0][0] == turn_id:
+            future = self._words.get(asked.popleft())
+            if future is not None and not future.done():
+                future.set_result(finished if finished >= 0 else None)
 
     async def _words_at(self, turn_id: int, pause: int, window_ms: int) -> float | None:
         """The words' judgement at this pause, waited for until the silence window would
