@@ -362,9 +362,6 @@ class VllmEngine:
             await self.abort(request_id)
         sent = self.kv_stats_seq()
         if self._llm is not None and self.num_unfinished_requests() == 0:
-            if usage == 0.0 and self._kv.requests == 0:
-                self._kv.abort_waits.add("nothing_held")
-                return 0.0
             try:
                 await asyncio.wait_for(self._llm.is_sleeping(), timeout)
             except TimeoutError:

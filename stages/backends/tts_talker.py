@@ -301,7 +301,7 @@ class TalkerVoice:
         """Speak groups of 1, 2, 4, ... up to ``most`` phrases at once, each begun while the
         others decode. vLLM builds some kernels on the first step of a batch of a new size
         class, not at start-up: measured on an H200, the talker's engine stood still for about
-        3.4 s the first time 8, and again 32, requests ran together, with every caller's audio
+        3.4 s the first time 8, and again 16, requests ran together, with every caller's audio
         waiting. They are built here instead."""
         deadline = time.monotonic() + timeout_s
         sizes = sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
