@@ -14,7 +14,7 @@ untuned.
 The encoder stage judges the words at the caller's pause (TURN_PAUSED), where it transcribes
 the turn so far anyway, and sends the probability with that transcript; the gateway weighs it
 with the sound (gateway.session.turns). One forward pass of the words after the template's
-cached start: about 60 ms of a core for 135 M parameters, a few ms on a GPU.
+cached start: about 100 ms on one core (60 on two) for 135 M parameters, a few ms on a GPU.
 """
 
 from __future__ import annotations
