@@ -9,8 +9,8 @@
 # CHUNK_MiB = 64 minus the size of everything else sent with a piece, default 58).
 # PY312 names a CPython 3.12 (its headers) to build the extension for (default: python3.12).
 # BUNDLED names bundled models (stages/backends/bundled.py) fetched here to travel too, e.g.
-# BUNDLED="smart-turn-v3.2 silero-vad smollm2-135m-instruct whisper-tiny.en piper-en_US-joe-medium"
-# for the turn-taking run; they land in /tmp/omni-cache/models there, the OMNI_GATEWAY_CACHE
+# BUNDLED="smart-turn-v3.2 silero-vad smollm2-135m-instruct whisper-tiny.en-transformers
+# piper-en_US-joe-medium" for the turn-taking run; they land in /tmp/omni-cache/models there, the OMNI_GATEWAY_CACHE
 # device-run.sh sets.
 set -euo pipefail
 out=${1:?usage: pack.sh OUT_DIR [CHUNK_MiB]}

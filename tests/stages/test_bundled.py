@@ -22,7 +22,7 @@ def test_each_bundled_model_is_fetched_and_its_files_are_the_pinned_ones(name: s
     assert bundled.resolve(bundled.PREFIX + name) == str(model.folder)
     for inside, sha in model.files.items():
         copy = model.folder / Path(inside).name
-        if copy.exists():
+        if copy.exists() and not model.converted:
             assert hashlib.sha256(copy.read_bytes()).hexdigest() == sha, copy
 
 
