@@ -54,7 +54,9 @@ class StageProcess:
 
 
 def terminate(procs: list[Any], timeout_s: float) -> None:
-    """SIGTERM each process, wait for all of them up to `timeout_s`, kill the stragglers."""
+    """SIGTERM each process, wait for all of them up to `timeout_s`, kill the stragglers.
+    One never started (its start failed) is passed over."""
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):
@@ -158,7 +160,12 @@ class Supervisor:
         stage.process = _ctx.Process(
             target=stage_main, args=(spec, child), name=f"omni-{stage.name}", daemon=False
         )
-        stage.process.start()
+        try:
+            stage.process.start()
+        except BaseException:
+            parent.close()
+            child.close()
+            raise
         assert self.groups is not None and stage.process.pid is not None
         self.groups.record(stage.process.pid)  # it leads its own group (stage_main)
         child.close()
