@@ -22,7 +22,9 @@ replies are made long (200 tokens) so that the sounds fall inside them. All time
 caller's: end of speech is when the clip's last voiced sample left the caller, first audio
 when the agent's first voiced frame reached it.
 
-Reported per variant: end of speech to first agent audio p50/p95 for the questions; premature
+Reported per variant: end of speech to first agent audio p50/p95 for the questions, and to
+the turn being called over (input_audio_buffer.speech_stopped reaching the caller), the part of
+it the turn detection decides; premature
 turn ends (the turn ended inside the pause); sounds over the agent that stopped it for good
 (false barge-ins: the reply was cancelled) or only paused it; interruptions missed (the reply
 was not cancelled) and the barge-in latency at the client (speech onset to the agent's audio
@@ -179,15 +181,16 @@ async def _question(call: Any, clip: Clip) -> dict[str, Any]:
     while not _voiced_frames(call, end) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)  # polling the receiver's frame log
     first = _voiced_frames(call, end)
-    ended_early = [
-        t
-        for t, e in call.history[seen:]
-        if e["type"] == "input_audio_buffer.speech_stopped" and t < end
+    stopped = [
+        t for t, e in call.history[seen:] if e["type"] == "input_audio_buffer.speech_stopped"
     ]
     await _quiet(call)
     return {
-        "premature": bool(ended_early),
+        "premature": any(t < end for t in stopped),
         "first_audio_ms": round((first[0] - end) * 1000, 1) if first else None,
+        # when the turn was called over (the event's arrival): first audio is this plus the
+        # reply's own time after it
+        "turn_end_ms": round((stopped[-1] - end) * 1000, 1) if stopped else None,
     }
 
 
@@ -351,11 +354,15 @@ def figures(trials: list[dict[str, Any]]) -> dict[str, Any]:
         return [t for t in trials if t["kind"] in kinds and "error" not in t]
 
     questions = of("question", "paused_300", "paused_700")
-    first = [t["first_audio_ms"] for t in questions if not t["premature"] and t["first_audio_ms"]]
     sounds = of("cough", "noise", "backchannel")
     real = of("interruption")
+    answered = [t for t in questions if not t["premature"] and t["first_audio_ms"]]
+    first = [t["first_audio_ms"] for t in answered]
     out: dict[str, Any] = {
         "first_audio_ms": summary(first, 50, 95),
+        "turn_end_ms": summary(
+            [t["turn_end_ms"] for t in answered if t.get("turn_end_ms")], 50, 95
+        ),
         "unanswered": sum(t["first_audio_ms"] is None for t in questions),
         "errors": sum("error" in t for t in trials),
     }
@@ -378,10 +385,11 @@ def table(results: dict[str, Any]) -> str:
         f"config {results['config']}; callers {results['callers']}",
         "",
         "| policy:classifier | turn detection, callers | first audio p50 / p95 ms "
+        "| turn called p50 / p95 ms "
         "| premature 300 / 700 ms pause | false barge-ins (cough, noise, backchannel) "
         "| paused by them | missed barge-ins "
         "| barge-in p50 / p95 ms | loop lag p99 ms |",
-        "|---|---|---:|---|---|---|---|---:|---:|",
+        "|---|---|---:|---:|---|---|---|---|---:|---:|",
     ]
     for policy, by_td in results["policies"].items():
         for td, r in by_td.items():
@@ -389,11 +397,12 @@ def table(results: dict[str, Any]) -> str:
             if "error" in f:
                 lines.append(f"| {policy} | {td} | the callers failed: see results.json |")
                 continue
-            fa, bi = f["first_audio_ms"], f["barge_in_ms"]
+            fa, bi, te = f["first_audio_ms"], f["barge_in_ms"], f.get("turn_end_ms", {})
             paused = ", ".join(f[f"paused_{k}"] for k in ("cough", "noise", "backchannel"))
             false = ", ".join(f[f"false_barge_in_{k}"] for k in ("cough", "noise", "backchannel"))
             lines.append(
                 f"| {policy} | {td} | {fa.get('p50')} / {fa.get('p95')} "
+                f"| {te.get('p50')} / {te.get('p95')} "
                 f"| {f['premature_paused_300']} / {f['premature_paused_700']} | {false} "
                 f"| {paused} | {f['missed_barge_ins']} | {bi.get('p50')} / {bi.get('p95')} "
                 f"| {r['loop_lag_p99_ms']} |"
