@@ -98,6 +98,22 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.end_of_turn_decisions = Counter(
+            "omni_end_of_turn_decisions",
+            "semantic_vad at a pause: the turn ended at once (ended), left to the silence "
+            "window (window), held up to the eagerness's maximum wait (held), or the caller "
+            "spoke again first (spoke_again)",
+            ["decision"],
+            registry=r,
+        )
+        self.end_of_turn_words = Histogram(
+            "omni_end_of_turn_words_wait_seconds",
+            "semantic_vad: from asking the end-of-turn model to having the encoder's judgement "
+            "of the words at the pause, by whether it came in time (judged) or not (late)",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.barge_ins = Counter("omni_barge_ins", "Agent replies cut by the caller", registry=r)
         self.false_interruptions = Counter(
             "omni_false_interruptions",

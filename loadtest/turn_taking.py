@@ -28,8 +28,9 @@ it the turn detection decides; premature
 turn ends (the turn ended inside the pause); sounds over the agent that stopped it for good
 (false barge-ins: the reply was cancelled) or only paused it; interruptions missed (the reply
 was not cancelled) and the barge-in latency at the client (speech onset to the agent's audio
-stopping); the gateway's event-loop lag p99 with the models on. Prints JSON and a table;
-writes results.json and table.md under --out.
+stopping); the gateway's event-loop lag p99 with the models on, and semantic_vad's decisions at
+the pauses (ended at once, left to the window, held) with how long its words took. Prints JSON
+and a table; writes results.json and table.md under --out.
 """
 
 from __future__ import annotations
@@ -302,6 +303,24 @@ def _lag_p99_ms(gateway: Any) -> float | None:
     return None
 
 
+def _semantic_decisions(gateway: Any) -> dict[str, Any]:
+    """semantic_vad's decisions at pauses and how the words' judgement came, counted by the
+    first gateway process (the calls it carried)."""
+    out: dict[str, Any] = {}
+    for metric in gateway.metrics.end_of_turn_decisions.collect():
+        for s in metric.samples:
+            if s.name.endswith("_total"):
+                out[s.labels["decision"]] = int(s.value)
+    for metric in gateway.metrics.end_of_turn_words.collect():
+        sums = {s.labels["outcome"]: s.value for s in metric.samples if s.name.endswith("_sum")}
+        for s in metric.samples:
+            if s.name.endswith("_count") and s.value:
+                outcome = s.labels["outcome"]
+                out[f"words_{outcome}"] = int(s.value)
+                out[f"words_{outcome}_mean_ms"] = round(1000 * sums[outcome] / s.value, 1)
+    return out
+
+
 def variant_config(variant: str, args: Any) -> Any:
     """The service's configuration for POLICY:CLASSIFIER: the config file's, or the GPU
     layout's with its built models, replies made long enough for sounds to fall inside."""
@@ -342,10 +361,19 @@ async def run_variant(variant: str, clips: list[Clip], args: Any) -> dict:
             for callers in args.callers:
                 for td in TURN_DETECTIONS:
                     log(f"{variant} / {td}: {callers} caller(s), {len(clips)} clips each")
-                    gateway.metrics.loop_lag.clear()
+                    metrics = gateway.metrics  # the first gateway process's
+                    for metric in (
+                        metrics.loop_lag,
+                        metrics.end_of_turn_decisions,
+                        metrics.end_of_turn_words,
+                    ):
+                        metric.clear()
                     reports = await _run_callers(base, callers, clips, td)
-                    lag = _lag_p99_ms(gateway)  # the first gateway process's
-                    out[f"{td} {callers}"] = {"trials": reports, "loop_lag_p99_ms": lag}
+                    out[f"{td} {callers}"] = {
+                        "trials": reports,
+                        "loop_lag_p99_ms": _lag_p99_ms(gateway),
+                        "semantic_decisions": _semantic_decisions(gateway),
+                    }
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Protocol
 
@@ -233,7 +234,9 @@ class CallerTurns:
             return
         words = await self._words_at(turn_id, pause, td.silence_duration_ms)
         still = turn_id == self.turn_id and self.vad.in_speech and self.vad.speech_end_ms == pause
+        decisions = self.metrics.end_of_turn_decisions
         if not still:
+            decisions.labels("spoke_again").inc()
             return  # the caller spoke again, or the turn ended meanwhile
         eagerness = Eagerness(td.eagerness)
         logger.debug(
@@ -245,16 +248,22 @@ class CallerTurns:
         )
         if words is not None and words < WORDS_CUT_OFF:
             if p >= eagerness.unsure:
+                decisions.labels("window").inc()
                 self.vad.limit_pause(td.silence_duration_ms)
-            return  # else it sounds cut off too, and waits up to the eagerness's maximum
+            else:  # it sounds cut off too, and waits up to the eagerness's maximum
+                decisions.labels("held").inc()
+            return
         words_finish = words is not None and words >= WORDS_FINISHED
         if p >= eagerness.complete or (words_finish and p >= eagerness.unsure):
+            decisions.labels("ended").inc()
             stopped = self.vad.end_turn()
             assert stopped is not None
             self.end(stopped.audio_end_ms, self.create_response)
         elif p >= eagerness.unsure or words is not None:
+            decisions.labels("window").inc()
             self.vad.limit_pause(td.silence_duration_ms)
-        # else: it sounds cut off, and waits for the caller up to the eagerness's maximum
+        else:  # it sounds cut off, and waits for the caller up to the eagerness's maximum
+            decisions.labels("held").inc()
 
     def _expect_words(self, pause: int) -> None:
         """A TURN_PAUSED went to the encoder: semantic_vad will want its judgement of the
@@ -284,9 +293,14 @@ class CallerTurns:
             return None
         silent_ms = self.vad.silence_ms if self.vad.speech_end_ms == pause else window_ms
         budget = max(window_ms - silent_ms, 0) / 1000
+        asked = time.monotonic()
+        waited = self.metrics.end_of_turn_words
         try:
-            return await asyncio.wait_for(asyncio.shield(future), budget)
+            words = await asyncio.wait_for(asyncio.shield(future), budget)
+            waited.labels("judged").observe(time.monotonic() - asked)
+            return words
         except TimeoutError:
+            waited.labels("late").observe(time.monotonic() - asked)
             return None  # no answer in time: the sound decides
         except asyncio.CancelledError:
             if future.cancelled():

@@ -86,6 +86,13 @@ def end_silence(app, kind: str) -> tuple[float, float]:
     return count, total
 
 
+def decided(app, decision: str) -> float:
+    """How many pauses semantic_vad decided as `decision` (gateway metrics)."""
+    registry = gateway_of(app).metrics.registry
+    labels = {"decision": decision}
+    return registry.get_sample_value("omni_end_of_turn_decisions_total", labels) or 0.0
+
+
 async def test_semantic_vad_ends_a_finished_question_before_the_silence_window(
     server, piper
 ) -> None:
@@ -105,11 +112,14 @@ async def test_semantic_vad_ends_a_finished_question_before_the_silence_window(
             updated = await call.next_event("session.updated")
             assert updated["session"]["audio"]["input"]["turn_detection"]["type"] == kind
             before = end_silence(app, kind)
+            ended_before = decided(app, "ended")
             call.microphone.play(question)
             await call.next_event("input_audio_buffer.speech_stopped", timeout=20)
             count, total = end_silence(app, kind)
             assert count == before[0] + 1
             silences[kind] = total - before[1]
+            # the end-of-turn model's say is counted for semantic_vad only, once a pause
+            assert decided(app, "ended") - ended_before == (kind == "semantic_vad")
             await call.next_event("response.created", timeout=30)
         finally:
             await call.close()
