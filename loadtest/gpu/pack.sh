@@ -10,8 +10,9 @@
 # PY312 names a CPython 3.12 (its headers) to build the extension for (default: python3.12).
 # BUNDLED names bundled models (stages/backends/bundled.py) fetched here to travel too, e.g.
 # BUNDLED="smart-turn-v3.2 silero-vad smollm2-135m-instruct whisper-tiny.en-transformers
-# piper-en_US-joe-medium" for the turn-taking run; they land in /tmp/omni-cache/models there, the OMNI_GATEWAY_CACHE
-# device-run.sh sets.
+# piper-en_US-joe-medium" for the turn-taking run; they land in /tmp/omni-cache/models there,
+# the OMNI_GATEWAY_CACHE device-run.sh sets. OMNI=1 adds vLLM-Omni (requirements-omni.txt) as
+# /tmp/omnisite there, for loadtest.omni_anchor.
 set -euo pipefail
 out=${1:?usage: pack.sh OUT_DIR [CHUNK_MiB]}
 chunk=${2:-58}
@@ -35,6 +36,15 @@ python3 -m pip download -q --no-deps "${target[@]}" -d "$work/w" -r "$here/requi
 python3 -m pip wheel -q --no-deps -w "$work/w" opuslib==3.0.1
 python3 -m pip install -q --no-index --no-deps --no-compile "${target[@]}" --target "$work/vpsite" "$work"/w/*.whl
 members=(vpsite)
+if [ -n "${OMNI:-}" ]; then
+    # vLLM-Omni for loadtest.omni_anchor, in a tree of its own (requirements-omni.txt says why);
+    # openai-whisper, one of its requirements, is published as an sdist only
+    mkdir -p "$work/wo"
+    python3 -m pip download -q --no-deps "${target[@]}" -d "$work/wo" -r "$here/requirements-omni.txt"
+    python3 -m pip wheel -q --no-deps -w "$work/wo" openai-whisper==20250625
+    python3 -m pip install -q --no-index --no-deps --no-compile "${target[@]}" --target "$work/omnisite" "$work"/wo/*.whl
+    members+=(omnisite)
+fi
 if [ -n "${BUNDLED:-}" ]; then
     cache=${OMNI_GATEWAY_CACHE:-$HOME/.cache/omni-gateway}
     mkdir -p "$work/omni-cache/models"

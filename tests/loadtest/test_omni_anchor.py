@@ -1,0 +1,51 @@
+"""loadtest.omni_anchor's pieces that need no GPU: the streamed chunks vLLM-Omni sends are
+read as the caller hears them, and the deploy configuration puts every stage on one GPU."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import yaml
+
+from loadtest.omni_anchor import Reply, deploy_config, figures, read_chunk, request_body, wav_bytes
+
+
+def chunk(modality: str, content: str | None) -> dict:
+    return {"modality": modality, "choices": [{"index": 0, "delta": {"content": content}}]}
+
+
+def test_audio_chunks_are_timed_and_measured_as_whole_wav_files() -> None:
+    reply = Reply()
+    second = base64.b64encode(wav_bytes(np.zeros(24000, np.int16), 24000)).decode()
+    read_chunk(reply, {"choices": []}, 0.05)  # the usage chunk at the end has none
+    read_chunk(reply, chunk("text", "Hel"), 0.1)
+    read_chunk(reply, chunk("text", "lo"), 0.2)
+    read_chunk(reply, chunk("audio", second), 1.5)
+    read_chunk(reply, chunk("audio", second), 2.5)
+    assert (reply.first_text_s, reply.first_audio_s, reply.last_audio_s) == (0.1, 1.5, 2.5)
+    assert reply.audio_s == 2.0 and reply.audio_chunks == 2 and reply.rates == {24000}
+    out = figures([reply, Reply(error="HTTP 500: boom")], 1234)
+    assert out["completed"] == "1/2" and out["errors"] == ["HTTP 500: boom"]
+    assert out["first_audio_ms"]["p50"] == 1500.0 and out["audio_rtf"]["p50"] == 1.25
+
+
+def test_every_stage_is_on_gpu_0_with_dummy_weights_and_async_chunk_off() -> None:
+    config = yaml.safe_load(deploy_config(8))
+    assert config["async_chunk"] is False
+    assert [s["stage_id"] for s in config["stages"]] == [0, 1, 2]
+    assert {s["devices"] for s in config["stages"]} == {"0"}
+    assert {s["load_format"] for s in config["stages"]} == {"dummy"}
+    assert {s["max_num_seqs"] for s in config["stages"]} == {8}
+    assert sum(s["gpu_memory_utilization"] for s in config["stages"]) <= 0.9
+
+
+def test_a_request_caps_every_stage_and_carries_the_question() -> None:
+    wav = wav_bytes(np.ones(160, np.int16), 16000)
+    body = request_body(wav, 64, 250)
+    (content,) = body["messages"][0]["content"]
+    assert base64.b64decode(content["input_audio"]["data"]) == wav
+    thinker, talker, _ = body["sampling_params_list"]
+    assert thinker["max_tokens"] == 64 and thinker["ignore_eos"]
+    assert talker["min_tokens"] == talker["max_tokens"] == 250
+    assert body["stream"] and body["modalities"] == ["text", "audio"]
