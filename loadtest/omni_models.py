@@ -176,13 +176,12 @@ CHAT_TEMPLATE = (
 def build(folder: Path, preset: str = "7b", ranks: Path | None = None) -> Path:
     """The model folder (built once: a half-done build is redone)."""
 
-    if importlib.util.find_spec("torchvision") is None:
-        raise ModuleNotFoundError(
-            "torchvision is needed: Qwen2.5-Omni's image and video processors are built on it "
-            "(the GPU machine's image has it)"
-        )
-
     def make(into: Path) -> None:
+        if importlib.util.find_spec("torchvision") is None:
+            raise ModuleNotFoundError(
+                "torchvision is needed: Qwen2.5-Omni's image and video processors are built on "
+                "it (the GPU machine's image has it)"
+            )
         from transformers import (
             Qwen2_5OmniProcessor,
             Qwen2VLImageProcessor,

@@ -74,7 +74,9 @@ def read_model_bin(path: Path) -> tuple[str, dict[str, np.ndarray]]:
         for _ in range(take("I")):
             alias, target = text(), text()
             variables[alias] = variables[target]
-    except (struct.error, IndexError, KeyError) as exc:
+    except ConversionError:
+        raise
+    except (struct.error, IndexError, KeyError, ValueError) as exc:  # cut short, or not one
         raise ConversionError(f"{path}: not a whole CTranslate2 model.bin ({exc})") from exc
     return spec, variables
 
