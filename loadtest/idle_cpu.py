@@ -1,7 +1,7 @@
 """Idle CPU: `omni-gateway start` left running with no calls, as a user leaves it.
 
     python -m loadtest.idle_cpu [--config configs/offline.yaml] [--settle 20] [--seconds 60]
-                                [--out DIR]
+                                [--variant NAME:VAR=VALUE ...] [--out DIR]
 
 DESIGN.md's target: under 1% of a core with zero sessions. The service is started as a user
 starts it (loadtest.service), and once it serves and `--settle` seconds more have passed
@@ -9,6 +9,11 @@ starts it (loadtest.service), and once it serves and `--settle` seconds more hav
 processes (the gateway and supervisor, the stage processes and what they start, such as
 vLLM's engine core) is read every second for `--seconds`. Printed per process and in all, as
 JSON and a table; with `--out`, results.json and table.md there too.
+
+Each `--variant` runs the service once more in the same command with an environment variable
+set, for an A/B in one sitting: `--variant gloo-per-group:OMNI_GATEWAY_SHARED_GLOO=0` measures
+vLLM's engine with a gloo device per process group (stages/backends/gloo_device.py) beside the
+default, which shares one.
 """
 
 from __future__ import annotations
@@ -143,8 +148,24 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def measure(config: Path, settle_s: float, seconds: int) -> dict[str, Any]:
-    with Service(config, echo=True) as service:
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME:VAR=VALUE[,VAR=VALUE...]` -> (NAME, {VAR: VALUE}); ValueError naming what is wrong."""
+    name, sep, assignments = text.partition(":")
+    if not sep or not name or not assignments:
+        raise ValueError(f"{text!r}: expected NAME:VAR=VALUE[,VAR=VALUE...]")
+    env: dict[str, str] = {}
+    for item in assignments.split(","):
+        var, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+            raise ValueError(f"{text!r}: {item!r} is not VAR=VALUE")
+        env[var] = value
+    return name, env
+
+
+def measure(
+    config: Path, settle_s: float, seconds: int, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    with Service(config, echo=True, env=env) as service:
         url, gateways = service.started()
         names = stage_pids(service.seen)
         names |= {pid: name for name, pid in gateways.items() if name != "gateway"}  # gateway.N
@@ -169,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "offline.yaml")
     parser.add_argument("--settle", type=float, default=20.0, help="seconds after it serves")
     parser.add_argument("--seconds", type=int, default=60, help="seconds measured")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:VAR=VALUE",
+        help="also run the service with these variables set (repeatable)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not args.config.is_file():
@@ -177,8 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--settle {args.settle}: must be 0..600")
     if not 2 <= args.seconds <= 3600:
         parser.error(f"--seconds {args.seconds}: must be 2..3600")
+    try:
+        variants = dict(parse_variant(v) for v in args.variant)
+    except ValueError as exc:
+        parser.error(f"--variant {exc}")
+    if "default" in variants:
+        parser.error("--variant: the name 'default' is the run without variables")
     config = args.config.resolve()
-    result = {
+    result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "command": "python -m loadtest.idle_cpu " + " ".join(argv or sys.argv[1:]),
         "machine": describe_machine(),
@@ -186,7 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         "settle_s": args.settle,
         **measure(config, args.settle, args.seconds),
     }
-    text = table(result)
+    texts = [table(result)]
+    if variants:
+        result["variants"] = {}
+        for name, env in variants.items():
+            log(f"variant {name}: {env}")
+            figures_ = measure(config, args.settle, args.seconds, env)
+            result["variants"][name] = {"env": env, **figures_}
+            texts.append(f"variant {name} ({env}):\n\n{table(figures_)}")
+    text = "\n\n".join(texts)
     print(json.dumps(result, indent=1))
     print(text)
     if args.out:

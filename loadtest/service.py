@@ -4,6 +4,7 @@ its log read as it comes, stopped with Ctrl-C, and by the kernel if whoever star
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import re
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from stages.process_groups import kill_session
@@ -42,7 +44,10 @@ def ctrl_c_when_parent_dies() -> None:
 class Service:
     """`omni-gateway start --config CONFIG --port 0`; `wait_for` reads its log."""
 
-    def __init__(self, config: Path, *, echo: bool = False) -> None:
+    def __init__(
+        self, config: Path, *, echo: bool = False, env: Mapping[str, str] | None = None
+    ) -> None:
+        """`env`: variables set for the service beside this process's environment."""
         self.echo = echo
         self.proc = subprocess.Popen(
             [*CLI, "start", "--config", str(config), "--port", "0"],
@@ -50,6 +55,7 @@ class Service:
             stdout=subprocess.DEVNULL,
             text=True,
             cwd=ROOT,
+            env={**os.environ, **env} if env else None,
             start_new_session=True,
             preexec_fn=ctrl_c_when_parent_dies,
         )

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from stages.backends.gloo_device import SHARED_GLOO_ENV
 from stages.backends.tiny_chat_model import has_random_weights
 from stages.backends.vllm_stats import KvUsageMonitor, kv_stat_logger_class
 from stages.rundir import owned_folder
@@ -224,6 +225,9 @@ class VllmEngine:
         monitor = KvUsageMonitor()
 
         socket_dir = owned_folder(SOCKETS_PREFIX)
+        # the engine's processes inherit it: their gloo groups share one polling loop
+        # (stages/backends/gloo_device.py)
+        os.environ.setdefault(SHARED_GLOO_ENV, "1")
 
         def create() -> AsyncLLM:
             try:

@@ -6,7 +6,16 @@ import os
 
 import pytest
 
-from loadtest.idle_cpu import Sample, cpu_between, figures, main, read_tree, stage_pids, table
+from loadtest.idle_cpu import (
+    Sample,
+    cpu_between,
+    figures,
+    main,
+    parse_variant,
+    read_tree,
+    stage_pids,
+    table,
+)
 
 
 def test_cpu_is_counted_per_process_name_and_a_new_process_from_zero() -> None:
@@ -71,3 +80,21 @@ def test_bad_arguments_are_named(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--seconds", "1"])
     assert "--seconds 1: must be 2..3600" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--variant", "no-assignment"])
+    assert "--variant 'no-assignment': expected NAME:VAR=VALUE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--variant", "default:A=1"])
+    assert "the name 'default' is the run without variables" in capsys.readouterr().err
+
+
+def test_a_variant_is_a_name_and_the_variables_it_sets() -> None:
+    assert parse_variant("gloo-per-group:OMNI_GATEWAY_SHARED_GLOO=0") == (
+        "gloo-per-group",
+        {"OMNI_GATEWAY_SHARED_GLOO": "0"},
+    )
+    assert parse_variant("two:A=1,B=x=y") == ("two", {"A": "1", "B": "x=y"})
+    with pytest.raises(ValueError, match="'1A=2' is not VAR=VALUE"):
+        parse_variant("bad:1A=2")
+    with pytest.raises(ValueError, match="expected NAME:VAR=VALUE"):
+        parse_variant(":A=1")
