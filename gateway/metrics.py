@@ -106,6 +106,22 @@ class GatewayMetrics:
             ["decision"],
             registry=r,
         )
+        self.end_of_turn_decided_after = Histogram(
+            "omni_end_of_turn_decided_after_seconds",
+            "semantic_vad: the caller's silence when the decision at a pause was made, by "
+            "decision (the sound model's and the words' time included)",
+            ["decision"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.end_of_turn_probability = Histogram(
+            "omni_end_of_turn_probability",
+            "semantic_vad: the probability each model gave at a pause that the turn is over "
+            "(sound: the end-of-turn model; words: the encoder's judgement), by decision",
+            ["model", "decision"],
+            buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 0.97, 1.0),
+            registry=r,
+        )
         self.end_of_turn_words = Histogram(
             "omni_end_of_turn_words_wait_seconds",
             "semantic_vad: from asking the end-of-turn model to having the encoder's judgement "

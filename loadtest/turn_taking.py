@@ -318,6 +318,24 @@ def _semantic_decisions(gateway: Any) -> dict[str, Any]:
                 outcome = s.labels["outcome"]
                 out[f"words_{outcome}"] = int(s.value)
                 out[f"words_{outcome}_mean_ms"] = round(1000 * sums[outcome] / s.value, 1)
+    # the sound model's time a prediction (its queue included), and the caller's silence when
+    # each kind of decision was made
+    for name, histogram, label in (
+        ("sound_model", gateway.metrics.end_of_turn, None),
+        ("decided_after", gateway.metrics.end_of_turn_decided_after, "decision"),
+    ):
+        for metric in histogram.collect():
+            sums = {s.labels.get(label): s.value for s in metric.samples if s.name.endswith("_sum")}
+            for s in metric.samples:
+                if s.name.endswith("_count") and s.value:
+                    key = name if label is None else f"{name}_{s.labels[label]}"
+                    out[f"{key}_mean_ms"] = round(1000 * sums[s.labels.get(label)] / s.value, 1)
+    # what each model said, by decision: the count in each probability bucket
+    for metric in gateway.metrics.end_of_turn_probability.collect():
+        for s in metric.samples:
+            if s.name.endswith("_bucket") and s.value:
+                key = f"p_{s.labels['model']}_{s.labels['decision']}"
+                out.setdefault(key, {})[s.labels["le"]] = int(s.value)
     return out
 
 
@@ -366,6 +384,9 @@ async def run_variant(variant: str, clips: list[Clip], args: Any) -> dict:
                         metrics.loop_lag,
                         metrics.end_of_turn_decisions,
                         metrics.end_of_turn_words,
+                        metrics.end_of_turn,
+                        metrics.end_of_turn_decided_after,
+                        metrics.end_of_turn_probability,
                     ):
                         metric.clear()
                     reports = await _run_callers(base, callers, clips, td)

@@ -67,6 +67,25 @@ class Eagerness:
         self.complete, self.unsure, self.max_wait_ms = self.LEVELS[level]
 
 
+def decide(sound: float, words: float | None, words_late: bool, eagerness: Eagerness) -> str:
+    """semantic_vad's decision at a pause, from the probability that the turn sounds complete
+    (`sound`) and that its words end a sentence (`words`; None: not judged, or `words_late`):
+    "ended" (the turn ends now), "window" (it ends after the silence window unless the caller
+    speaks) or "held" (it waits for the caller up to the eagerness's maximum).
+
+    Words that stop mid-sentence never end a turn before the window. A turn is held past the
+    window only when it sounds cut off and nothing says otherwise: words that were asked for
+    and came late leave it to the window, since a wrong hold costs the caller seconds."""
+    if words is not None and words < WORDS_CUT_OFF:
+        return "window" if sound >= eagerness.unsure else "held"
+    words_finish = words is not None and words >= WORDS_FINISHED
+    if sound >= eagerness.complete or (words_finish and sound >= eagerness.unsure):
+        return "ended"
+    if sound >= eagerness.unsure or words is not None or words_late:
+        return "window"
+    return "held"
+
+
 class TurnListener(Protocol):
     """What the session does about the caller's turns."""
 
@@ -232,38 +251,34 @@ class CallerTurns:
         td = self.config.turn_detection
         if td is None or not td.semantic:
             return
-        words = await self._words_at(turn_id, pause, td.silence_duration_ms)
+        words, late = await self._words_at(turn_id, pause, td.silence_duration_ms)
         still = turn_id == self.turn_id and self.vad.in_speech and self.vad.speech_end_ms == pause
         decisions = self.metrics.end_of_turn_decisions
         if not still:
             decisions.labels("spoke_again").inc()
             return  # the caller spoke again, or the turn ended meanwhile
-        eagerness = Eagerness(td.eagerness)
+        decision = decide(p, words, late, Eagerness(td.eagerness))
+        decisions.labels(decision).inc()
+        self.metrics.end_of_turn_decided_after.labels(decision).observe(self.vad.silence_ms / 1000)
+        self.metrics.end_of_turn_probability.labels("sound", decision).observe(p)
+        if words is not None:
+            self.metrics.end_of_turn_probability.labels("words", decision).observe(words)
         logger.debug(
-            "turn %d at %d ms: end-of-turn probability %.3f, words %s",
+            "turn %d at %d ms: end-of-turn probability %.3f, words %s: %s after %d ms",
             turn_id,
             pause,
             p,
-            "-" if words is None else f"{words:.3f}",
+            "late" if late else "-" if words is None else f"{words:.3f}",
+            decision,
+            self.vad.silence_ms,
         )
-        if words is not None and words < WORDS_CUT_OFF:
-            if p >= eagerness.unsure:
-                decisions.labels("window").inc()
-                self.vad.limit_pause(td.silence_duration_ms)
-            else:  # it sounds cut off too, and waits up to the eagerness's maximum
-                decisions.labels("held").inc()
-            return
-        words_finish = words is not None and words >= WORDS_FINISHED
-        if p >= eagerness.complete or (words_finish and p >= eagerness.unsure):
-            decisions.labels("ended").inc()
+        if decision == "ended":
             stopped = self.vad.end_turn()
             assert stopped is not None
             self.end(stopped.audio_end_ms, self.create_response)
-        elif p >= eagerness.unsure or words is not None:
-            decisions.labels("window").inc()
+        elif decision == "window":
             self.vad.limit_pause(td.silence_duration_ms)
-        else:  # it sounds cut off, and waits for the caller up to the eagerness's maximum
-            decisions.labels("held").inc()
+        # "held": the VAD waits for the caller up to the eagerness's maximum
 
     def _expect_words(self, pause: int) -> None:
         """A TURN_PAUSED went to the encoder: semantic_vad will want its judgement of the
@@ -285,12 +300,14 @@ class CallerTurns:
             if future is not None and not future.done():
                 future.set_result(finished if finished >= 0 else None)
 
-    async def _words_at(self, turn_id: int, pause: int, window_ms: int) -> float | None:
+    async def _words_at(
+        self, turn_id: int, pause: int, window_ms: int
+    ) -> tuple[float | None, bool]:
         """The words' judgement at this pause, waited for until the silence window would
-        have ended the turn anyway; None without one."""
+        have ended the turn anyway (None without one), and whether it came too late."""
         future = self._words.get((turn_id, pause))
         if future is None:
-            return None
+            return None, False
         silent_ms = self.vad.silence_ms if self.vad.speech_end_ms == pause else window_ms
         budget = max(window_ms - silent_ms, 0) / 1000
         asked = time.monotonic()
@@ -298,13 +315,13 @@ class CallerTurns:
         try:
             words = await asyncio.wait_for(asyncio.shield(future), budget)
             waited.labels("judged").observe(time.monotonic() - asked)
-            return words
+            return words, False
         except TimeoutError:
             waited.labels("late").observe(time.monotonic() - asked)
-            return None  # no answer in time: the sound decides
+            return None, True  # no answer in time
         except asyncio.CancelledError:
             if future.cancelled():
-                return None  # a new turn began meanwhile
+                return None, False  # a new turn began meanwhile
             raise  # the session's task itself is cancelled
         finally:
             self._words.pop((turn_id, pause), None)

@@ -9,7 +9,7 @@ import pytest
 from gateway.config import BACKCHANNELS
 from gateway.end_of_turn import WINDOW_SAMPLES, EndOfTurnModel
 from gateway.session.interruption import words_that_count
-from gateway.session.turns import Eagerness
+from gateway.session.turns import Eagerness, decide
 from gateway.silero import SileroModel, SileroVoice
 from gateway.vad import FRAME_SAMPLES, SileroGate, SpeechStarted, SpeechStopped, TurnDetector
 from loadtest.offline_quality import speak
@@ -96,6 +96,27 @@ def test_eagerness_orders_its_thresholds_and_waits() -> None:
     assert low.complete > medium.complete > high.complete
     assert (low.max_wait_ms, medium.max_wait_ms, high.max_wait_ms) == (8000, 4000, 2000)
     assert vars(Eagerness("auto")) == vars(medium)
+
+
+@pytest.mark.parametrize(
+    ("sound", "words", "late", "decision"),
+    [
+        (0.95, None, False, "ended"),  # sure from the sound alone
+        (0.5, 0.6, False, "ended"),  # the words end a sentence and the sound does not object
+        (0.5, 0.1, False, "window"),  # the words are not sure
+        (0.5, None, False, "window"),  # no words model: the sound is not sure
+        (0.95, 0.01, False, "window"),  # words stop mid-sentence: never before the window
+        (0.1, 0.01, False, "held"),  # both say cut off: the caller gets time
+        (0.1, 0.6, False, "window"),  # the words disagree with the sound
+        (0.1, None, False, "held"),  # no words model, and it sounds cut off
+        (0.1, None, True, "window"),  # words asked for but late: no hold on the sound alone
+        (0.95, None, True, "ended"),
+    ],
+)
+def test_semantic_vad_decides_on_the_sound_and_the_words(
+    sound: float, words: float | None, late: bool, decision: str
+) -> None:
+    assert decide(sound, words, late, Eagerness("medium")) == decision
 
 
 def test_semantic_vad_is_refused_where_the_end_of_turn_model_is_missing(tmp_path) -> None:

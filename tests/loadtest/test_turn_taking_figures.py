@@ -38,3 +38,28 @@ def test_first_audio_and_turn_end_leave_out_premature_and_unanswered_turns() -> 
     }
     row = table(results).splitlines()[-1]
     assert f"| {out['turn_end_ms']['p50']} / {out['turn_end_ms']['p95']} |" in row
+
+
+def test_semantic_decisions_report_each_models_say_and_when_it_was_decided() -> None:
+    from types import SimpleNamespace
+
+    from gateway.metrics import GatewayMetrics
+    from loadtest.turn_taking import _semantic_decisions
+
+    metrics = GatewayMetrics()
+    metrics.end_of_turn_decisions.labels("ended").inc()
+    metrics.end_of_turn_decisions.labels("held").inc(2)
+    metrics.end_of_turn.observe(0.040)
+    metrics.end_of_turn.observe(0.060)
+    metrics.end_of_turn_decided_after.labels("ended").observe(0.2)
+    metrics.end_of_turn_probability.labels("sound", "ended").observe(0.93)
+    metrics.end_of_turn_probability.labels("words", "held").observe(0.02)
+    metrics.end_of_turn_words.labels("late").observe(0.3)
+    out = _semantic_decisions(SimpleNamespace(metrics=metrics))
+    assert out["ended"] == 1 and out["held"] == 2
+    assert out["sound_model_mean_ms"] == 50.0
+    assert out["decided_after_ended_mean_ms"] == 200.0
+    assert out["words_late"] == 1 and out["words_late_mean_ms"] == 300.0
+    # cumulative buckets: 0.93 is under 0.97 and 1.0, not under 0.9
+    assert out["p_sound_ended"] == {"0.97": 1, "1.0": 1, "+Inf": 1}
+    assert out["p_words_held"]["0.05"] == 1 and "0.01" not in out["p_words_held"]
