@@ -2,7 +2,8 @@
 feel it, for each GPU layout side by side in one run. (One long module on purpose: it is the
 one script a lent GPU machine runs, variants, loads and the JSON they make, end to end.)
 
-    python -m loadtest.gpu_run [--layouts one,tp2,talker] [--loads 1,8,32] [--out DIR]
+    python -m loadtest.gpu_run [--layouts one,tp2,talker] [--loads 1,8,32]
+        [--transports webrtc,websocket] [--out DIR]
 
 For each layout (`one`: every stage on GPU 0, configs/gpu-one.yaml; `tp2`: vLLM tensor-parallel
 over GPUs 0-1 with Whisper and SpeechT5 on GPU 2, configs/gpu-tp2.yaml, or on GPU 1 where only
@@ -20,8 +21,11 @@ RANDOM WEIGHTS (loadtest.gpu_models): the figures are timings, not quality. Prin
 writes JSON (results.json) under --out.
 
 Variants of a layout (`--vocoders`, `--gpu-sharing`, `--prepare-reply`, `--vocoder-dtype`,
-`--mps-threads`, `--gateway-processes`, and any config key with `--set KEY=V1,V2`) run side
-by side, every combination. With more than
+`--mps-threads`, `--gateway-processes`, `--transports`, and any config key with
+`--set KEY=V1,V2`) run side by side, every combination. `--transports websocket` has the same
+callers hold the same conversations over the WebSocket Realtime API (loadtest.ws_callers: PCM16
+24 kHz appends paced at 20 ms, first audio the first `response.output_audio.delta` after the end
+of speech) instead of WebRTC. With more than
 one gateway process, each traces the records it receives (gateway.trace) and the loads are
 read from every trace; the inter-token runs use the first process.
 """
@@ -63,6 +67,8 @@ LAYOUT_CONFIGS = {"one": "gpu-one.yaml", "tp2": "gpu-tp2.yaml", "talker": "gpu-t
 #: layouts whose voice is the talker (vLLM speaking SNAC codes), not SpeechT5
 TALKER_LAYOUTS = frozenset({"talker"})
 CALLERS_PER_PROCESS = 8
+#: how callers reach the gateway: WebRTC (/v1/realtime/calls), or the WebSocket Realtime API
+TRANSPORTS = ("webrtc", "websocket")
 QUESTION = "tell me about the weather today"
 
 HOPS = (
@@ -419,8 +425,13 @@ def load_figures(
 
 
 def _callers_process(
-    base: str, n: int, speech: Any, turns: int, seed: int, opus: str, conn
+    base: str, n: int, speech: Any, turns: int, seed: int, opus: str, transport: str, conn
 ) -> None:
+    if transport == "websocket":
+        from loadtest.ws_callers import run_ws_conversations
+
+        conn.send(run_ws_conversations(base, n, speech, turns, seed=seed))
+        return
     from loadtest.conversation import run_conversations
 
     conn.send(run_conversations(base, n, speech, turns, seed=seed, opus=opus))
@@ -433,15 +444,17 @@ async def run_callers(
     turns: int,
     opus: str = "opuslib",
     per_process: int = CALLERS_PER_PROCESS,
+    transport: str = "webrtc",
 ) -> list[dict[str, Any]]:
-    """`n` conversations from processes of `per_process` callers each, coding Opus with `opus`
-    (the gateway's codec setting)."""
+    """`n` conversations from processes of `per_process` callers each, over `transport`
+    (TRANSPORTS), WebRTC's coding Opus with `opus` (the gateway's codec setting)."""
     ctx = mp.get_context("spawn")
     procs = []
     for i in range(math.ceil(n / per_process)):
         k = min(per_process, n - i * per_process)
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_callers_process, args=(base, k, speech, turns, i, opus, child))
+        caller_args = (base, k, speech, turns, i, opus, transport, child)
+        proc = ctx.Process(target=_callers_process, args=caller_args)
         proc.start()
         child.close()
         procs.append((proc, parent))
@@ -562,17 +575,37 @@ async def tapped_gateway(config: Any, supervisor: Any) -> AsyncIterator[tuple[st
 
 
 async def measure_layout(
-    config: Any, supervisor: Any, speech: np.ndarray, args: argparse.Namespace
+    config: Any,
+    supervisor: Any,
+    speech: np.ndarray,
+    args: argparse.Namespace,
+    transport: str = "webrtc",
 ) -> dict[str, Any]:
     async with tapped_gateway(config, supervisor) as (base, gateway, tap):
         # with several gateway processes the loads' records come from all of their traces
         trace_dir = config.gateway.trace_dir
         records = tap if trace_dir is None else Traces(Path(trace_dir))
-        return await _measure_loads(base, gateway, tap, records, config, supervisor, speech, args)
+        callers = Callers(base, config.gateway.opus, transport)
+        return await _measure_loads(
+            callers, gateway, tap, records, config, supervisor, speech, args
+        )
+
+
+@dataclass(frozen=True)
+class Callers:
+    """How a layout's callers reach its gateway: its URL, their transport (TRANSPORTS), and
+    WebRTC's Opus coder (the gateway's `gateway.opus`)."""
+
+    base: str
+    opus: str
+    transport: str
+
+    async def run(self, n: int, speech: np.ndarray, turns: int) -> list[dict[str, Any]]:
+        return await run_callers(self.base, n, speech, turns, self.opus, transport=self.transport)
 
 
 async def _measure_loads(
-    base: str,
+    callers: Callers,
     gateway: Any,
     tap: Tap,
     records: Tap | Traces,
@@ -583,17 +616,16 @@ async def _measure_loads(
 ) -> dict[str, Any]:
     silence_ms = config.gateway.turn_detection.silence_duration_ms
     out: dict[str, Any] = {"loads": {}, "inter_token": {}}
-    log("warm-up: one caller, two turns (not counted)")
-    opus = config.gateway.opus
-    await run_callers(base, 1, speech, 2, opus)
+    log(f"warm-up: one caller over {callers.transport}, two turns (not counted)")
+    await callers.run(1, speech, 2)
     await calls_gone(gateway)
     for n in args.loads:
         turns = args.turns_single if n == 1 else args.turns
-        log(f"{n} caller(s), {turns} turns each")
+        log(f"{n} caller(s) over {callers.transport}, {turns} turns each")
         mark = records.mark()
         t0 = time.monotonic()
         try:
-            reports = await run_callers(base, n, speech, turns, opus)
+            reports = await callers.run(n, speech, turns)
             figures = load_figures(reports, records.since(mark), silence_ms, per_turn=args.per_turn)
         except Exception as exc:  # the other loads still run; the failure is reported
             log(f"{n} callers failed: {type(exc).__name__}: {exc}")
@@ -701,10 +733,11 @@ class Variant:
     vocoder_dtype: str | None = None
     thread_shares: ThreadShares | None = None
     gateway_processes: int | None = None
+    transport: str | None = None  # the callers' (TRANSPORTS); None: WebRTC, unnamed in the key
     settings: tuple[tuple[str, Any], ...] = ()  # any other config key: --set KEY=V1,V2
 
     def key(self, layout: str) -> str:
-        """The run's name in the results, e.g. "one 1x8 mps prepare 200"."""
+        """The run's name in the results, e.g. "one 1x8 mps prepare 200 websocket"."""
         parts = (
             layout,
             self.vocoders,
@@ -713,6 +746,7 @@ class Variant:
             None if self.vocoder_dtype is None else f"vocoder {self.vocoder_dtype}",
             self.thread_shares,
             None if self.gateway_processes is None else f"gw {self.gateway_processes}",
+            self.transport,
             *(
                 f"{k}={'+'.join(map(str, v)) if isinstance(v, tuple) else v}"
                 for k, v in self.settings
@@ -865,7 +899,14 @@ def run_layout(
 
     traces = tempfile.TemporaryDirectory(prefix="omni-trace-")
     config, notes = layout_config(name, models, args.gpu_count, args.device, variant, traces.name)
-    out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "notes": notes}
+    transport = variant.transport or "webrtc"
+    out: dict[str, Any] = {"config": LAYOUT_CONFIGS[name], "transport": transport, "notes": notes}
+    if transport == "websocket":
+        notes.append(
+            "callers over the WebSocket Realtime API: first audio is the first "
+            "response.output_audio.delta after the end of speech; no barge-in at the client "
+            "(the client holds the audio it was sent)"
+        )
     t0 = time.monotonic()
     with traces, Supervisor(config, gateways=config.gateway.processes) as supervisor:
         supervisor.start(progress=log)
@@ -877,7 +918,7 @@ def run_layout(
             "--query-compute-apps=pid,used_gpu_memory,gpu_bus_id", "--format=csv,noheader"
         )
         out["gpu_memory_mib_by_stage"] = gpu_memory_by_stage(supervisor, out["gpu_processes"])
-        out |= asyncio.run(measure_layout(config, supervisor, speech, args))
+        out |= asyncio.run(measure_layout(config, supervisor, speech, args, transport))
     return out
 
 
@@ -1058,6 +1099,13 @@ def main(argv: list[str] | None = None) -> int:
         help="gateway.processes variants, e.g. 1,4 (32 callers need more than one); default: "
         "the file's",
     )
+    parser.add_argument(
+        "--transports",
+        type=_one_of("transport", lambda: TRANSPORTS),
+        default=[None],
+        help="how the callers reach the gateway, variants side by side: webrtc,websocket "
+        "(the WebSocket Realtime API, loadtest.ws_callers); default: webrtc",
+    )
     add_set_argument(parser, "reasoning.sampling.max_tokens=400,60")
     parser.add_argument(
         "--caller-pause-ms",
@@ -1089,6 +1137,7 @@ def main(argv: list[str] | None = None) -> int:
         args.vocoder_dtype,
         args.mps_threads,
         args.gateway_processes,
+        args.transports,
     )
     variants = [
         Variant(*chosen[: len(dims)], settings=tuple(chosen[len(dims) :]))

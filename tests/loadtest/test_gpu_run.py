@@ -253,6 +253,18 @@ def test_vocoder_dtype_variants_keep_the_files_other_vocoder_options(capsys) -> 
     assert "vocoder dtype 'int8'" in capsys.readouterr().err
 
 
+def test_transport_variants_are_named_and_change_nothing_in_the_config(capsys) -> None:
+    websocket = Variant(transport="websocket")
+    assert websocket.key("one") == "one websocket"
+    assert Variant(gateway_processes=1, transport="webrtc").key("one") == "one gw 1 webrtc"
+    assert Variant().key("one") == "one"  # the default, WebRTC, as every earlier run's name
+    config, notes = layout_config("one", MODELS, 1, "cuda", websocket)
+    assert config == layout_config("one", MODELS, 1, "cuda")[0] and not notes
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--transports", "webrtc,sip"])
+    assert "transport 'sip'" in capsys.readouterr().err
+
+
 def test_mps_thread_share_variants(capsys) -> None:
     shares = ThreadShares.parse("reasoning=60:vocoder=40")
     config, _ = layout_config("one", MODELS, 1, "cuda", Variant(thread_shares=shares))
