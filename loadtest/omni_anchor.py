@@ -1,7 +1,8 @@
 """vLLM-Omni, the system our users would otherwise pick, measured beside ours on the same GPU.
 
     python -m loadtest.omni_anchor [--loads 1,8,32] [--requests 2] [--models-root DIR]
-        [--omni-site /tmp/omnisite] [--ours "--layouts one --loads 1,8,32 ..."] [--out DIR]
+        [--omni-site /tmp/omnisite] [--out DIR]
+        [--ours "--layouts one --transports webrtc,websocket --loads 1,8,32 ..."]
 
 vLLM-Omni 0.26.0 (its own package, installed apart: loadtest/gpu/pack.sh OMNI=1) serves
 Qwen2.5-Omni-7B's shapes with random weights (loadtest.omni_models; vLLM's dummy loader) as its
@@ -18,7 +19,10 @@ tokens are capped (--reply-tokens for the thinker, --talker-tokens codec tokens,
 of audio), so every reply is the same length.
 
 `--ours ARGS` then runs `python -m loadtest.gpu_run ARGS` in the same command, on the same GPU
-once vLLM-Omni has stopped, and puts its figures beside these. Prints JSON and a table; writes
+once vLLM-Omni has stopped, and puts its figures beside these, a row for each of its variants
+(with `--transports webrtc,websocket`, ours over WebRTC and over the WebSocket Realtime API) at
+each load: end of the caller's speech to the first agent audio the caller receives, the part of
+it beyond the VAD's silence window, turns answered, cancel p99. Prints JSON and a table; writes
 results.json and table.md under --out.
 """
 
@@ -185,6 +189,9 @@ def deploy_config(max_seqs: int) -> str:
         | {
             "stage_id": 2,
             "gpu_memory_utilization": 0.15,
+            # token2wav runs in float32, as transformers' Qwen2.5-Omni runs it (`.float()`):
+            # in the folder's bfloat16 its dummy run fails on a float32 time embedding
+            "dtype": "float32",
             "enable_flashinfer_autotune": False,
             "async_scheduling": False,
         },
@@ -300,26 +307,78 @@ def question_wav() -> bytes:
 
 
 def table(results: dict[str, Any]) -> str:
+    """Both systems at each load, vLLM-Omni's row first, then one a variant of ours."""
+    rows: list[tuple[int, str]] = []  # (callers, row)
+    for callers, f in results["vllm_omni"].items():
+        if "error" in f:
+            rows.append(
+                (_callers(callers), f"| vLLM-Omni | {callers} | failed: {f['error'][:120]} |")
+            )
+            continue
+        fa = f["first_audio_ms"]
+        rows.append(
+            (
+                _callers(callers),
+                f"| vLLM-Omni (request to first audio) | {callers} "
+                f"| {fa.get('p50')} / {fa.get('p95')} | - | {f['first_text_ms'].get('p50')} "
+                f"| {f['audio_rtf'].get('p50')} | {f['completed']} | - | {f['gpu_memory_mib']} |",
+            )
+        )
+    rows += ours_rows(results.get("ours") or {})
     lines = [
         f"machine: {results['machine'].get('gpus')}",
         "",
-        "| system | callers | first audio p50 / p95 ms | first text p50 ms | audio RTF p50 "
-        "| completed | GPU memory MiB |",
-        "|---|---:|---:|---:|---:|---|---:|",
+        "| system | callers | first audio p50 / p95 ms | beyond the VAD window p50 / p95 ms "
+        "| first text p50 ms | audio RTF p50 | completed | cancel p99 ms | GPU memory MiB |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        *(row for _, row in sorted(rows, key=lambda r: r[0])),  # stable: vLLM-Omni's first
     ]
-    for callers, f in results["vllm_omni"].items():
-        if "error" in f:
-            lines.append(f"| vLLM-Omni | {callers} | failed: {f['error'][:120]} |")
-            continue
-        fa = f["first_audio_ms"]
-        lines.append(
-            f"| vLLM-Omni (request to first audio) | {callers} | {fa.get('p50')} / {fa.get('p95')} "
-            f"| {f['first_text_ms'].get('p50')} | {f['audio_rtf'].get('p50')} "
-            f"| {f['completed']} | {f['gpu_memory_mib']} |"
-        )
     if "ours" in results:
-        lines += ["", "ours, in the same command: loadtest.gpu_run's table in ours/table.md"]
+        lines += [
+            "",
+            "ours: end of the caller's speech to the first agent audio the caller receives, the "
+            "VAD's silence window included (vLLM-Omni is handed the whole question at once); "
+            "GPU memory when the stages started; all of loadtest.gpu_run's figures in "
+            "ours/table.md",
+        ]
     return "\n".join(lines)
+
+
+def ours_rows(ours: dict[str, Any]) -> list[tuple[int, str]]:
+    """(callers, row) for each variant and load of loadtest.gpu_run's results: its transport
+    (WebRTC, or the WebSocket Realtime API) named in the system's column."""
+    rows = []
+    for key, layout in ours.get("layouts", {}).items():
+        transport = layout.get("transport", "webrtc")  # named in the key when a variant
+        name = key if transport in key.split() else f"{key} {transport}"
+        system = f"ours, {name} (end of speech to first audio)"
+        if "error" in layout:
+            rows.append((0, f"| {system} | - | failed: {layout['error'][:120]} |"))
+            continue
+        gpu = sum(layout.get("gpu_memory_mib_by_stage", {}).values()) or "-"  # "-": no GPU
+        for callers, load in layout.get("loads", {}).items():
+            if "error" in load:
+                rows.append(
+                    (_callers(callers), f"| {system} | {callers} | failed: {load['error'][:120]} |")
+                )
+                continue
+            turn, beyond = load["turn_ms"], load["turn_beyond_vad_window_ms"]
+            cancel = load["cancel_ms"].get("last_ack", {}).get("p99")
+            rows.append(
+                (
+                    _callers(callers),
+                    f"| {system} | {callers} | {turn['p50']} / {turn['p95']} "
+                    f"| {beyond['p50']} / {beyond['p95']} | - | - "
+                    f"| {load['turns_answered']}/{load['turns_asked']} | {cancel} | {gpu} |",
+                )
+            )
+    return rows
+
+
+def _callers(key: Any) -> int:
+    """A load's number of callers from its key in the results (a string once read from JSON;
+    0 for a failure before any load)."""
+    return int(key) if str(key).isdigit() else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,6 +97,14 @@ def qwen_ranks() -> Path:
     return Path(spec.origin).parent / "resources" / "qwen.tiktoken"
 
 
+#: Qwen2.5-Omni's vision marker tokens, as its config.json's thinker_config gives them.
+VISION_MARKERS = {
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "vision_token_id": 151654,
+}
+
+
 def omni_config(preset: str) -> Any:
     from transformers import Qwen2_5OmniConfig
 
@@ -113,6 +121,9 @@ def omni_config(preset: str) -> Any:
             "vision_config": s["vision"],
             "text_config": text,
             "tie_word_embeddings": False,
+            # the checkpoint's own config.json has these beside the class's fields; vLLM-Omni's
+            # M-RoPE positions read them for every prompt, audio-only ones too
+            **VISION_MARKERS,
         },
         talker_config=s["talker"]
         | {"vocab_size": 8448, "head_dim": 128, "rope_parameters": dict(MROPE)},

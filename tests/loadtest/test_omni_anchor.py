@@ -8,7 +8,15 @@ import base64
 import numpy as np
 import yaml
 
-from loadtest.omni_anchor import Reply, deploy_config, figures, read_chunk, request_body, wav_bytes
+from loadtest.omni_anchor import (
+    Reply,
+    deploy_config,
+    figures,
+    read_chunk,
+    request_body,
+    table,
+    wav_bytes,
+)
 
 
 def chunk(modality: str, content: str | None) -> dict:
@@ -49,3 +57,48 @@ def test_a_request_caps_every_stage_and_carries_the_question() -> None:
     assert thinker["max_tokens"] == 64 and thinker["ignore_eos"]
     assert talker["min_tokens"] == talker["max_tokens"] == 250
     assert body["stream"] and body["modalities"] == ["text", "audio"]
+
+
+def test_ours_stands_beside_vllm_omni_over_each_transport_at_each_load() -> None:
+    def load(p50: float, answered: int) -> dict:
+        return {
+            "turn_ms": {"p50": p50, "p95": p50 + 50},
+            "turn_beyond_vad_window_ms": {"p50": p50 - 500, "p95": p50 - 450},
+            "turns_answered": answered,
+            "turns_asked": 8,
+            "cancel_ms": {"last_ack": {"p99": 4.5}},
+        }
+
+    omni = figures([Reply(first_text_s=0.1, first_audio_s=0.6, last_audio_s=1.0, audio_s=5.0)], 9)
+    results = {
+        "machine": {"gpus": ["GPU 0: H200"]},
+        "vllm_omni": {"1": omni, "8": omni},  # read back from results.json: string keys
+        "ours": {
+            "layouts": {
+                "one webrtc": {
+                    "transport": "webrtc",
+                    "gpu_memory_mib_by_stage": {"reasoning": 100, "vocoder": 20},
+                    "loads": {"1": load(560, 8), "8": load(600, 7)},
+                },
+                "one websocket": {"transport": "websocket", "loads": {"1": load(540, 8)}},
+                "one tp2": {"error": "RuntimeError: no second GPU"},
+            }
+        },
+    }
+    rows = [
+        line for line in table(results).splitlines() if line.startswith("| ") and "|--" not in line
+    ]
+    assert [r.split(" | ")[:2] for r in rows[1:]] == [
+        ["| ours, one tp2 webrtc (end of speech to first audio)", "-"],
+        ["| vLLM-Omni (request to first audio)", "1"],
+        ["| ours, one webrtc (end of speech to first audio)", "1"],
+        ["| ours, one websocket (end of speech to first audio)", "1"],
+        ["| vLLM-Omni (request to first audio)", "8"],
+        ["| ours, one webrtc (end of speech to first audio)", "8"],
+    ]
+    assert rows[4] == (
+        "| ours, one websocket (end of speech to first audio) | 1 | 540 / 590 | 40 / 90 | - | - "
+        "| 8/8 | 4.5 | - |"
+    )
+    assert rows[6].endswith("| 7/8 | 4.5 | 120 |")
+    assert "failed: RuntimeError: no second GPU" in rows[1]

@@ -29,6 +29,18 @@ def test_the_7b_configuration_has_qwen25_omni_7b_shapes() -> None:
     assert config.enable_audio_output
 
 
+def test_the_saved_thinker_keeps_the_vision_markers_vllm_omni_reads(tmp_path) -> None:
+    from transformers import AutoConfig
+
+    omni_config("7b").save_pretrained(tmp_path)
+    thinker = AutoConfig.from_pretrained(tmp_path).thinker_config
+    assert (
+        thinker.vision_start_token_id,
+        thinker.vision_end_token_id,
+        thinker.vision_token_id,
+    ) == (151652, 151653, 151654)
+
+
 def test_the_tokenizer_is_qwen2s_with_omnis_special_tokens() -> None:
     tokenizer = omni_tokenizer(qwen_ranks())
     for token, expected in EXPECTED_IDS.items():
