@@ -67,19 +67,26 @@ class Eagerness:
         self.complete, self.unsure, self.max_wait_ms = self.LEVELS[level]
 
 
-def decide(sound: float, words: float | None, words_late: bool, eagerness: Eagerness) -> str:
+def decide(sound: float | None, words: float | None, words_late: bool, eagerness: Eagerness) -> str:
     """semantic_vad's decision at a pause, from the probability that the turn sounds complete
-    (`sound`) and that its words end a sentence (`words`; None: not judged, or `words_late`):
-    "ended" (the turn ends now), "window" (it ends after the silence window unless the caller
-    speaks) or "held" (it waits for the caller up to the eagerness's maximum).
+    (`sound`; None: not asked, the words having decided) and that its words end a sentence
+    (`words`; None: not judged, or `words_late`): "ended" (the turn ends now), "window" (it
+    ends after the silence window unless the caller speaks) or "held" (it waits for the caller
+    up to the eagerness's maximum).
 
-    Words that stop mid-sentence never end a turn before the window. A turn is held past the
+    The words are the surer signal: a cut-off half ("How many legs") scores near 0 and a whole
+    question from 0.2, where the sound model calls cut-off halves finished and some finished
+    questions in synthetic voices cut off. So words that end a sentence end the turn, and
+    words that stop mid-sentence never end it before the window. A turn is held past the
     window only when it sounds cut off and nothing says otherwise: words that were asked for
     and came late leave it to the window, since a wrong hold costs the caller seconds."""
+    if words is not None and words >= WORDS_FINISHED:
+        return "ended"
+    if sound is None:
+        raise ValueError("without words that end a sentence, the sound decides: it is needed")
     if words is not None and words < WORDS_CUT_OFF:
         return "window" if sound >= eagerness.unsure else "held"
-    words_finish = words is not None and words >= WORDS_FINISHED
-    if sound >= eagerness.complete or (words_finish and sound >= eagerness.unsure):
+    if sound >= eagerness.complete:
         return "ended"
     if sound >= eagerness.unsure or words is not None or words_late:
         return "window"
@@ -167,10 +174,11 @@ class CallerTurns:
         self._words: dict[tuple[int, int], asyncio.Future[float | None]] = {}
         self._words_asked: collections.deque[tuple[int, int]] = collections.deque(maxlen=16)
 
-    def _silence_limit_ms(self, td: TurnDetection) -> int:
-        """semantic_vad waits up to the eagerness's maximum; the model ends turns sooner."""
-        if td.semantic and self.end_of_turn is not None:
-            return Eagerness(td.eagerness).max_wait_ms
+    @staticmethod
+    def _silence_limit_ms(td: TurnDetection) -> int:
+        """The VAD's own limit: the silence window, for semantic_vad too. Its decision at a
+        pause ends the turn sooner or holds it longer; a decision that has not come by the
+        window (a sound model queued behind other calls) never makes the caller wait more."""
         return td.silence_duration_ms
 
     @property
@@ -243,31 +251,72 @@ class CallerTurns:
 
     async def _end_of_turn(self, turn_id: int, pause: int, audio: np.ndarray) -> None:
         """Weigh how the turn sounds (the end-of-turn model) with how its words read (the
-        encoder's judgement at the pause, when it has a words model): sure of both, the turn
-        ends now; words that stop mid-sentence never end it before the silence window."""
+        encoder's judgement at the pause, when it has a words model): words that end a
+        sentence end the turn as soon as they are in, without waiting for the sound; words
+        that stop mid-sentence never end it before the silence window."""
         assert self.end_of_turn is not None
-        p, took_s = await self.end_of_turn.probability(audio)
+        asked = time.monotonic()
+        sound = asyncio.ensure_future(self.end_of_turn.probability(audio))
+        try:
+            words_first = await self._words_before(turn_id, pause, sound, asked)
+            if words_first is not None:
+                self._decide(turn_id, pause, None, words_first, False)
+                return
+            p, took_s = await sound
+        finally:
+            sound.cancel()  # decided on the words, or the session's task cancelled
         self.metrics.end_of_turn.observe(took_s)
         td = self.config.turn_detection
         if td is None or not td.semantic:
             return
         words, late = await self._words_at(turn_id, pause, td.silence_duration_ms)
-        still = turn_id == self.turn_id and self.vad.in_speech and self.vad.speech_end_ms == pause
+        self._decide(turn_id, pause, p, words, late)
+
+    async def _words_before(
+        self, turn_id: int, pause: int, sound: asyncio.Future[tuple[float, float]], asked: float
+    ) -> float | None:
+        """The words' judgement if it comes before the sound model's and ends a sentence
+        (taken: the pause is decided on it); None otherwise."""
+        future = self._words.get((turn_id, pause))
+        if future is None:
+            return None
+        if not future.done():
+            await asyncio.wait({sound, future}, return_when=asyncio.FIRST_COMPLETED)
+        if not future.done() or future.cancelled():
+            return None
+        words = future.result()
+        if words is None or words < WORDS_FINISHED:
+            return None  # not enough alone: the sound is weighed with it (_words_at)
+        self._words.pop((turn_id, pause), None)
+        self.metrics.end_of_turn_words.labels("judged").observe(time.monotonic() - asked)
+        return words
+
+    def _decide(
+        self, turn_id: int, pause: int, p: float | None, words: float | None, late: bool
+    ) -> None:
+        """Act on semantic_vad's decision at the pause `pause` of `turn_id`, if the caller is
+        still silent in it."""
+        td = self.config.turn_detection
         decisions = self.metrics.end_of_turn_decisions
+        if td is None or not td.semantic:
+            return
+        still = turn_id == self.turn_id and self.vad.in_speech and self.vad.speech_end_ms == pause
         if not still:
             decisions.labels("spoke_again").inc()
             return  # the caller spoke again, or the turn ended meanwhile
-        decision = decide(p, words, late, Eagerness(td.eagerness))
+        eagerness = Eagerness(td.eagerness)
+        decision = decide(p, words, late, eagerness)
         decisions.labels(decision).inc()
         self.metrics.end_of_turn_decided_after.labels(decision).observe(self.vad.silence_ms / 1000)
-        self.metrics.end_of_turn_probability.labels("sound", decision).observe(p)
+        if p is not None:
+            self.metrics.end_of_turn_probability.labels("sound", decision).observe(p)
         if words is not None:
             self.metrics.end_of_turn_probability.labels("words", decision).observe(words)
         logger.debug(
-            "turn %d at %d ms: end-of-turn probability %.3f, words %s: %s after %d ms",
+            "turn %d at %d ms: end-of-turn probability %s, words %s: %s after %d ms",
             turn_id,
             pause,
-            p,
+            "-" if p is None else f"{p:.3f}",
             "late" if late else "-" if words is None else f"{words:.3f}",
             decision,
             self.vad.silence_ms,
@@ -278,7 +327,8 @@ class CallerTurns:
             self.end(stopped.audio_end_ms, self.create_response)
         elif decision == "window":
             self.vad.limit_pause(td.silence_duration_ms)
-        # "held": the VAD waits for the caller up to the eagerness's maximum
+        else:  # held: the caller gets up to the eagerness's maximum
+            self.vad.limit_pause(eagerness.max_wait_ms)
 
     def _expect_words(self, pause: int) -> None:
         """A TURN_PAUSED went to the encoder: semantic_vad will want its judgement of the

@@ -102,38 +102,24 @@ def test_eagerness_orders_its_thresholds_and_waits() -> None:
     ("sound", "words", "late", "decision"),
     [
         (0.95, None, False, "ended"),  # sure from the sound alone
-        (0.5, 0.6, False, "ended"),  # the words end a sentence and the sound does not object
+        (0.5, 0.6, False, "ended"),  # the words end a sentence
+        (0.1, 0.6, False, "ended"),  # ... even where the sound hears it cut off
+        (None, 0.25, False, "ended"),  # the words came first: the sound was not waited for
         (0.5, 0.1, False, "window"),  # the words are not sure
         (0.5, None, False, "window"),  # no words model: the sound is not sure
         (0.95, 0.01, False, "window"),  # words stop mid-sentence: never before the window
         (0.1, 0.01, False, "held"),  # both say cut off: the caller gets time
-        (0.1, 0.6, False, "window"),  # the words disagree with the sound
         (0.1, None, False, "held"),  # no words model, and it sounds cut off
         (0.1, None, True, "window"),  # words asked for but late: no hold on the sound alone
         (0.95, None, True, "ended"),
     ],
 )
 def test_semantic_vad_decides_on_the_sound_and_the_words(
-    sound: float, words: float | None, late: bool, decision: str
+    sound: float | None, words: float | None, late: bool, decision: str
 ) -> None:
     assert decide(sound, words, late, Eagerness("medium")) == decision
 
 
-def test_semantic_vad_is_refused_where_the_end_of_turn_model_is_missing(tmp_path) -> None:
-    from gateway.config import GatewayConfig
-    from gateway.protocol import ProtocolError, SessionConfig
-    from gateway.turn_models import TurnModels
-
-    models = TurnModels(GatewayConfig(end_of_turn=str(tmp_path / "none")))
-    config = SessionConfig(voice="v")
-    models.check(config)  # server_vad needs no model
-    config.apply({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}})
-    with pytest.raises(ProtocolError, match="end-of-turn model") as refused:
-        models.check(config)
-    assert refused.value.param == "session.audio.input.turn_detection.type"
-    with pytest.raises(FileNotFoundError):  # a gateway configured for it does not start
-        TurnModels(
-            GatewayConfig(
-                end_of_turn=str(tmp_path / "none"), turn_detection={"type": "semantic_vad"}
-            )
-        )
+def test_without_finished_words_the_sound_is_needed() -> None:
+    with pytest.raises(ValueError, match="the sound decides"):
+        decide(None, 0.1, False, Eagerness("medium"))
