@@ -20,7 +20,9 @@ aiortc peers, real Opus, in a process of their own) play the set under server_va
 semantic_vad. The variants are POLICY:CLASSIFIER, the VAD's classifier webrtcvad or Silero;
 replies are made long (200 tokens) so that the sounds fall inside them. All times are the
 caller's: end of speech is when the clip's last voiced sample left the caller, first audio
-when the agent's first voiced frame reached it.
+when the agent's first voiced frame reached it. The callers receive as loadtest.conversation's
+do (gateway.aiortc_tuning: a one-frame jitter buffer, the gateway's Opus coder), and each asks
+one question first on the fresh service, not counted.
 
 Reported per variant: end of speech to first agent audio p50/p95 for the questions, and to
 the turn being called over (input_audio_buffer.speech_stopped reaching the caller), the part of
@@ -29,7 +31,8 @@ turn ends (the turn ended inside the pause); sounds over the agent that stopped 
 (false barge-ins: the reply was cancelled) or only paused it; interruptions missed (the reply
 was not cancelled) and the barge-in latency at the client (speech onset to the agent's audio
 stopping); the gateway's event-loop lag p99 with the models on, and semantic_vad's decisions at
-the pauses (ended at once, left to the window, held) with how long its words took. Prints JSON
+the pauses (ended at once, left to the window, held, overtaken) with the silence each came
+after, what each model said, and how long the sound model and the words took. Prints JSON
 and a table; writes results.json and table.md under --out.
 """
 
@@ -255,25 +258,34 @@ async def _caller(base: str, clips: list[Clip], turn_detection: str) -> list[dic
     return out
 
 
-def _callers_process(base: str, n: int, clips: list[Clip], turn_detection: str, conn) -> None:
+def _callers_process(
+    base: str, n: int, clips: list[Clip], turn_detection: str, opus: str, conn
+) -> None:
     import traceback
 
+    from gateway import aiortc_tuning
     from gateway.ice import restrict_host_addresses
 
     async def run() -> list[list[dict[str, Any]]]:
         return list(await asyncio.gather(*(_caller(base, clips, turn_detection) for _ in range(n))))
 
     try:
+        # the receive side as loadtest.conversation's callers have it (a jitter buffer of one
+        # frame instead of aiortc's four, about 80 ms sooner) and the gateway's Opus coder
+        aiortc_tuning.apply(1, opus=opus)
         restrict_host_addresses(["127.0.0.1"])
         conn.send(asyncio.run(run()))
     except Exception:
         conn.send({"error": traceback.format_exc()})
 
 
-async def _run_callers(base: str, n: int, clips: list[Clip], turn_detection: str) -> Any:
+async def _run_callers(
+    base: str, n: int, clips: list[Clip], turn_detection: str, opus: str = "opuslib"
+) -> Any:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_callers_process, args=(base, n, clips, turn_detection, child))
+    args = (base, n, clips, turn_detection, opus, child)
+    proc = ctx.Process(target=_callers_process, args=args)
     proc.start()
     child.close()
     try:
@@ -377,6 +389,11 @@ async def run_variant(variant: str, clips: list[Clip], args: Any) -> dict:
         supervisor.start(progress=log)
         async with tapped_gateway(config, supervisor) as (base, gateway, _):
             for callers in args.callers:
+                # each caller's first turn on a fresh service is slow (1.3-1.7 s on the H200,
+                # whatever the turn detection): one question each first, not counted
+                log(f"{variant}: warm-up, {callers} caller(s), one question each")
+                opus = config.gateway.opus
+                await _run_callers(base, callers, clips[:1], TURN_DETECTIONS[0], opus)
                 for td in TURN_DETECTIONS:
                     log(f"{variant} / {td}: {callers} caller(s), {len(clips)} clips each")
                     metrics = gateway.metrics  # the first gateway process's
@@ -389,7 +406,7 @@ async def run_variant(variant: str, clips: list[Clip], args: Any) -> dict:
                         metrics.end_of_turn_probability,
                     ):
                         metric.clear()
-                    reports = await _run_callers(base, callers, clips, td)
+                    reports = await _run_callers(base, callers, clips, td, opus)
                     out[f"{td} {callers}"] = {
                         "trials": reports,
                         "loop_lag_p99_ms": _lag_p99_ms(gateway),

@@ -300,10 +300,12 @@ class CallerTurns:
         decisions = self.metrics.end_of_turn_decisions
         if td is None or not td.semantic:
             return
-        still = turn_id == self.turn_id and self.vad.in_speech and self.vad.speech_end_ms == pause
-        if not still:
-            decisions.labels("spoke_again").inc()
-            return  # the caller spoke again, or the turn ended meanwhile
+        if turn_id != self.turn_id or (self.vad.in_speech and self.vad.speech_end_ms != pause):
+            decisions.labels("spoke_again").inc()  # the pause was not the turn's end
+            return
+        if not self.vad.in_speech:
+            decisions.labels("after_the_turn").inc()  # the silence window ended it first
+            return
         eagerness = Eagerness(td.eagerness)
         decision = decide(p, words, late, eagerness)
         decisions.labels(decision).inc()
