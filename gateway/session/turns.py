@@ -256,15 +256,23 @@ class CallerTurns:
         that stop mid-sentence never end it before the silence window."""
         assert self.end_of_turn is not None
         asked = time.monotonic()
-        sound = asyncio.ensure_future(self.end_of_turn.probability(audio))
+        sound: asyncio.Future[tuple[float, float]] | None = None
         try:
-            words_first = await self._words_before(turn_id, pause, sound, asked)
+            words_first = self._finished_words(turn_id, pause, asked)
+            if words_first is None:  # the sound model is asked only where the words fall short
+                sound = asyncio.ensure_future(self.end_of_turn.probability(audio))
+                words = self._words.get((turn_id, pause))
+                if words is not None and not words.done():
+                    await asyncio.wait({sound, words}, return_when=asyncio.FIRST_COMPLETED)
+                    words_first = self._finished_words(turn_id, pause, asked)
             if words_first is not None:
                 self._decide(turn_id, pause, None, words_first, False)
                 return
+            assert sound is not None
             p, took_s = await sound
         finally:
-            sound.cancel()  # decided on the words, or the session's task cancelled
+            if sound is not None:
+                sound.cancel()  # decided on the words, or the session's task cancelled
         self.metrics.end_of_turn.observe(took_s)
         td = self.config.turn_detection
         if td is None or not td.semantic:
@@ -272,17 +280,11 @@ class CallerTurns:
         words, late = await self._words_at(turn_id, pause, td.silence_duration_ms)
         self._decide(turn_id, pause, p, words, late)
 
-    async def _words_before(
-        self, turn_id: int, pause: int, sound: asyncio.Future[tuple[float, float]], asked: float
-    ) -> float | None:
-        """The words' judgement if it comes before the sound model's and ends a sentence
-        (taken: the pause is decided on it); None otherwise."""
+    def _finished_words(self, turn_id: int, pause: int, asked: float) -> float | None:
+        """The words' judgement at this pause if it is in and ends a sentence (taken: the pause
+        is decided on it alone); None otherwise."""
         future = self._words.get((turn_id, pause))
-        if future is None:
-            return None
-        if not future.done():
-            await asyncio.wait({sound, future}, return_when=asyncio.FIRST_COMPLETED)
-        if not future.done() or future.cancelled():
+        if future is None or not future.done() or future.cancelled():
             return None
         words = future.result()
         if words is None or words < WORDS_FINISHED:
