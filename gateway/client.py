@@ -76,6 +76,11 @@ class Microphone(MediaStreamTrack):
     def busy(self) -> bool:
         return bool(self._queue)
 
+    @property
+    def queued_s(self) -> float:
+        """Seconds of queued audio still to go out."""
+        return len(self._queue) * FRAME / RATE
+
     async def recv(self) -> AudioFrame:
         if self.readyState != "live":
             raise MediaStreamError

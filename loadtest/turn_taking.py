@@ -40,11 +40,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,7 @@ RATE = 48_000
 VOICED = 300  # |sample| above which a clip is speech
 SILENT_RMS = 30.0  # what Opus silence decodes to, per received frame
 SILENT_RUN = 10  # received frames of silence (200 ms) that say the agent stopped
+MEDIA_STALL_S = 10.0  # a microphone not read for this long: the call's media is down
 VARIANTS = ("immediate:webrtc", "provisional:webrtc", "provisional:silero")  # policy:classifier
 TURN_DETECTIONS = ("server_vad", "semantic_vad")
 
@@ -136,28 +140,47 @@ def labelled_set(limit: int | None) -> list[Clip]:
 
 
 def _voiced_frames(call: Any, since: float) -> list[float]:
-    return [
-        t
-        for t, level in zip(call.speaker.arrivals, call.speaker.levels, strict=True)
-        if t >= since and level > SILENT_RMS
-    ]
+    """Arrivals of the voiced frames received from `since` on. The frame log is in arrival
+    order, so only its tail is read: a caller polls this every 20 ms over thousands of frames,
+    and 32 callers in one process must keep their media on time."""
+    arrivals, levels = call.speaker.arrivals, call.speaker.levels
+    first = bisect.bisect_left(arrivals, since)
+    tail = zip(arrivals[first:], levels[first:], strict=True)
+    return [t for t, level in tail if level > SILENT_RMS]
 
 
 def _stopped_at(call: Any, since: float) -> float | None:
     """The arrival of the first received frame after `since` that begins SILENT_RUN frames of
     silence: when the agent's audio stopped at the caller."""
     arrivals, levels = call.speaker.arrivals, call.speaker.levels
-    for i, t in enumerate(arrivals):
+    for i in range(bisect.bisect_left(arrivals, since), len(arrivals)):
         run = levels[i : i + SILENT_RUN]
-        if t >= since and len(run) == SILENT_RUN and all(level <= SILENT_RMS for level in run):
-            return t
+        if len(run) == SILENT_RUN and all(level <= SILENT_RMS for level in run):
+            return arrivals[i]
     return None
+
+
+class MediaDown(TimeoutError):
+    """The caller's microphone is no longer read: the call's media has stopped."""
+
+
+async def _clip_start(call: Any, n_clips: int) -> float:
+    """When the clip played after `n_clips` others began to go out."""
+    deadline = time.monotonic() + call.microphone.queued_s + MEDIA_STALL_S
+    while len(call.microphone.clip_started) == n_clips:
+        if time.monotonic() > deadline:
+            raise MediaDown(f"the clip did not go out within {MEDIA_STALL_S} s")
+        await asyncio.sleep(0.005)  # polling the microphone's clip log
+    return call.microphone.clip_started[n_clips]
 
 
 async def _quiet(call: Any) -> None:
     """Cancel whatever the agent says and wait until nothing more comes (the error a cancel
     gets when nothing is in progress is expected)."""
+    deadline = time.monotonic() + call.microphone.queued_s + MEDIA_STALL_S
     while call.microphone.busy:  # the clip played to its end first
+        if time.monotonic() > deadline:
+            raise MediaDown(f"the microphone's audio did not go out within {MEDIA_STALL_S} s")
         await asyncio.sleep(0.02)
     for _ in range(5):
         call.send({"type": "response.cancel"})
@@ -177,10 +200,7 @@ async def _question(call: Any, clip: Clip) -> dict[str, Any]:
     n_clips = len(call.microphone.clip_started)
     seen = len(call.history)
     call.microphone.play(clip.pcm)
-    while len(call.microphone.clip_started) == n_clips:
-        await asyncio.sleep(0.005)  # polling the microphone's clip log
-    started = call.microphone.clip_started[n_clips]
-    end = started + clip.speech_end_s
+    end = await _clip_start(call, n_clips) + clip.speech_end_s
     deadline = end + 15
     while not _voiced_frames(call, end) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)  # polling the receiver's frame log
@@ -210,10 +230,8 @@ async def _over_the_agent(call: Any, clip: Clip) -> dict[str, Any]:
     await asyncio.sleep(0.4)  # into the reply, as a listener reacts
     n_clips = len(call.microphone.clip_started)
     call.microphone.play(clip.pcm)
-    while len(call.microphone.clip_started) == n_clips:
-        await asyncio.sleep(0.005)  # polling the microphone's clip log
-    onset = call.microphone.clip_started[n_clips] + clip.speech_start_s
-    end = call.microphone.clip_started[n_clips] + clip.speech_end_s
+    started = await _clip_start(call, n_clips)
+    onset, end = started + clip.speech_start_s, started + clip.speech_end_s
     cancelled = False
     while time.monotonic() < end + 4.0:  # time for the transcript to decide, and the stop
         cancelled = any(
@@ -245,16 +263,27 @@ async def _caller(base: str, clips: list[Clip], turn_detection: str) -> list[dic
         update = {"audio": {"input": {"turn_detection": td}}}
         call.send({"type": "session.update", "session": update})
         await call.next_event("session.updated", timeout=10)
+        down: str | None = None
         for clip in clips:
             trial = _question if clip.kind.startswith(("question", "paused")) else _over_the_agent
             try:
+                if down is not None:
+                    raise MediaDown(down)
                 result = await trial(call, clip)
+            except MediaDown as exc:  # the rest of this caller's clips are not tried
+                down = down or f"{exc} (connection {call.pc.connectionState})"
+                result = {"error": down}
             except (TimeoutError, RuntimeError) as exc:  # RuntimeError: an error event
                 result = {"error": str(exc) or "timed out"}
-                await _quiet(call)
+                try:
+                    await _quiet(call)
+                except MediaDown as stalled:
+                    down = f"{stalled} (connection {call.pc.connectionState})"
             out.append({"kind": clip.kind, "voice": clip.voice, "text": clip.text, **result})
     finally:
-        await call.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):  # a call whose media is down may not close cleanly
+                await call.close()
     return out
 
 
@@ -379,12 +408,15 @@ def variant_config(variant: str, args: Any) -> Any:
     return config
 
 
-async def run_variant(variant: str, clips: list[Clip], args: Any) -> dict:
+async def run_variant(
+    variant: str, clips: list[Clip], args: Any, measured: Callable[[str, dict], None]
+) -> None:
+    """Each turn detection at each load of `args.callers`, handed to `measured` as it is
+    done (so that a run cut short keeps what it measured)."""
     from loadtest.gpu_run import tapped_gateway
     from stages.supervisor import Supervisor
 
     config = variant_config(variant, args)
-    out: dict[str, Any] = {}
     with Supervisor(config, gateways=config.gateway.processes) as supervisor:
         supervisor.start(progress=log)
         async with tapped_gateway(config, supervisor) as (base, gateway, _):
@@ -407,12 +439,14 @@ async def run_variant(variant: str, clips: list[Clip], args: Any) -> dict:
                     ):
                         metric.clear()
                     reports = await _run_callers(base, callers, clips, td, opus)
-                    out[f"{td} {callers}"] = {
-                        "trials": reports,
-                        "loop_lag_p99_ms": _lag_p99_ms(gateway),
-                        "semantic_decisions": _semantic_decisions(gateway),
-                    }
-    return out
+                    measured(
+                        f"{td} {callers}",
+                        {
+                            "trials": reports,
+                            "loop_lag_p99_ms": _lag_p99_ms(gateway),
+                            "semantic_decisions": _semantic_decisions(gateway),
+                        },
+                    )
 
 
 def figures(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -538,13 +572,19 @@ def main(argv: list[str] | None = None) -> int:
         "policies": {},
     }
     for variant in args.variants.split(","):
-        by_td = asyncio.run(run_variant(variant, clips, args))
-        for r in by_td.values():
+        by_td = results["policies"].setdefault(variant, {})
+
+        def measured(
+            key: str, r: dict[str, Any], by_td: dict[str, Any] = by_td, variant: str = variant
+        ) -> None:
             trials = r["trials"]
             flat = [t for caller in trials for t in caller] if isinstance(trials, list) else []
             r["figures"] = figures(flat) if flat else {"error": trials}
-        results["policies"][variant] = by_td
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+            by_td[key] = r
+            (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+            log(f"{variant} / {key} callers: {json.dumps(r['figures'])}")
+
+        asyncio.run(run_variant(variant, clips, args, measured))
     text = table(results)
     (args.out / "table.md").write_text(text + "\n")
     summary_json = {

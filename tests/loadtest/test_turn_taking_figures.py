@@ -3,6 +3,8 @@ and the turn's end is reported beside the first audio."""
 
 from __future__ import annotations
 
+import pytest
+
 from loadtest.turn_taking import figures, table
 
 
@@ -63,3 +65,43 @@ def test_semantic_decisions_report_each_models_say_and_when_it_was_decided() -> 
     # cumulative buckets: 0.93 is under 0.97 and 1.0, not under 0.9
     assert out["p_sound_ended"] == {"0.97": 1, "1.0": 1, "+Inf": 1}
     assert out["p_words_held"]["0.05"] == 1 and "0.01" not in out["p_words_held"]
+
+
+def _heard(arrivals: list[float], levels: list[float]) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(speaker=SimpleNamespace(arrivals=arrivals, levels=levels))
+
+
+def test_the_frame_log_is_read_from_the_time_asked_for() -> None:
+    from loadtest.turn_taking import SILENT_RUN, _stopped_at, _voiced_frames
+
+    loud, quiet = 1000.0, 0.0
+    arrivals = [i * 0.02 for i in range(40)]
+    # voiced 0-0.18 s, silent 0.2-0.38 s, voiced 0.4-0.58 s, silent from 0.6 s
+    levels = [loud if (i // 10) % 2 == 0 and i < 30 else quiet for i in range(40)]
+    call = _heard(arrivals, levels)
+    assert _voiced_frames(call, 0.39) == arrivals[20:30]
+    assert _voiced_frames(call, 0.7) == []
+    assert _stopped_at(call, 0.0) == arrivals[10]  # the first run of SILENT_RUN silent frames
+    assert _stopped_at(call, 0.21) == arrivals[30]
+    assert _stopped_at(call, arrivals[-SILENT_RUN + 1]) is None  # too few frames after it
+
+
+async def test_a_microphone_nobody_reads_is_a_call_whose_media_is_down(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import loadtest.turn_taking as tt
+    from gateway.client import Microphone
+
+    monkeypatch.setattr(tt, "MEDIA_STALL_S", 0.05)
+    microphone = Microphone()  # its track never started: no frame goes out
+    call = SimpleNamespace(microphone=microphone)
+    microphone.play(np.ones(4800, np.int16))
+    assert microphone.queued_s == 0.1
+    with pytest.raises(tt.MediaDown):
+        await tt._clip_start(call, 0)
+    with pytest.raises(tt.MediaDown):
+        await tt._quiet(call)
