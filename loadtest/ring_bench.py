@@ -70,14 +70,105 @@ def make_transport(name: str, tmpdir: str) -> Transport:
         return Transport(name, Queue(max_size_bytes=1 << 24))
     if name == "zmq_ipc":
         return Transport(name, f"ipc://{tempfile.mkdtemp(dir=tmpdir)}/bench.sock")
+    if name == "zmq_tcp":
+        return Transport(name, f"tcp://{FAR_HOST}:{_free_port(FAR_HOST)}")
+    if name == "omni_bridged":
+        return _bridged()
     raise ValueError(f"unknown transport {name!r}")
+
+
+FAR_HOST = "127.0.0.2"  # a crossing link's far end: another address of the loopback
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _bridged() -> Transport:
+    """A crossing link as stages.bridge makes one: the producer's ring on this "host", a
+    RingToWire process popping it, TCP to 127.0.0.2, a WireToRing process pushing into the
+    consumer's ring with a mirror control. Four processes, as on two hosts."""
+    from shm import Control, Ring, segment_name
+
+    ctx = mp.get_context("spawn")
+    control = Control.create(segment_name("bench-ctl"), 4)
+    mirror = Control.create(segment_name("bench-mirror"), 4)
+    near = Ring.create(segment_name("bench-near"), 1 << 21, control=control)
+    far = Ring.create(segment_name("bench-far"), 1 << 21, control=mirror)
+    endpoint_r, endpoint_w = ctx.Pipe(duplex=False)
+    receiver = ctx.Process(
+        target=_wire_to_ring, args=(far.name, mirror.name, endpoint_w), name="wire-to-ring"
+    )
+    receiver.start()
+    if not endpoint_r.poll(30):
+        receiver.kill()
+        raise RuntimeError("the WireToRing process did not come up")
+    endpoint = endpoint_r.recv()
+    sender = ctx.Process(
+        target=_ring_to_wire, args=(near.name, control.name, endpoint), name="ring-to-wire"
+    )
+    sender.start()
+
+    def close() -> None:
+        for p in (sender, receiver):
+            p.terminate()
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        for segment in (near, far, control, mirror):
+            segment.close()
+
+    return Transport("omni_bridged", (near.name, far.name, control.name, mirror.name), close)
+
+
+def _ring_to_wire(ring_name: str, control_name: str, endpoint: str) -> None:
+    import signal
+    import threading
+
+    from shm import Control, Ring
+    from stages.bridge import RingToWire
+
+    ring = Ring.attach(ring_name, Control.attach(control_name), role="consumer")
+    sender = RingToWire(ring, endpoint, link="bench", incarnation="bench", hwm=0)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    sender.start()
+    stop.wait()
+    sender.stop()
+
+
+def _wire_to_ring(ring_name: str, mirror_name: str, endpoint_w: Any) -> None:
+    import signal
+    import threading
+
+    from shm import Control, Ring
+    from stages.bridge import WireToRing
+
+    mirror = Control.attach(mirror_name)
+    ring = Ring.attach(ring_name, mirror, role="producer")
+    receiver = WireToRing(
+        ring, FAR_HOST, link="bench", control=mirror, hwm=0, on_down=lambda reason: None
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    receiver.start()
+    endpoint_w.send(receiver.endpoint)
+    stop.wait()
+    receiver.stop()
 
 
 def open_end(name: str, spec: Any, role: str) -> tuple[Send | None, Recv | None, Callable]:
     """The sending or receiving end of a transport, opened inside a worker process."""
-    if name in ("omni_ring", "omni_ring_yield"):
+    if name in ("omni_ring", "omni_ring_yield", "omni_bridged"):
         from shm import Control, Ring
 
+        if name == "omni_bridged":  # the producer's ring near, the consumer's far
+            near, far, control_name, mirror_name = spec
+            spec = (near, control_name) if role == "producer" else (far, mirror_name)
         control = Control.attach(spec[1])
         ring = Ring.attach(spec[0], control, role=role)
         ring.wake_yield = name == "omni_ring_yield"  # the producer's end is the one it changes
@@ -109,7 +200,7 @@ def open_end(name: str, spec: Any, role: str) -> tuple[Send | None, Recv | None,
             return reader.recv_bytes() if reader.poll(timeout) else None
 
         return writer.send_bytes, recv_p, lambda: None
-    if name == "zmq_ipc":
+    if name in ("zmq_ipc", "zmq_tcp"):
         import zmq
 
         zctx = zmq.Context()
@@ -269,8 +360,11 @@ def machine() -> dict[str, Any]:
     }
 
 
-# omni_ring_yield: the ring whose producer yields its CPU to the consumer it wakes (wake_yield)
+# omni_ring_yield: the ring whose producer yields its CPU to the consumer it wakes (wake_yield);
+# zmq_tcp and omni_bridged: a crossing link between hosts (docs/scaling.md), the wire alone and
+# ring to ring through stages.bridge, to 127.0.0.2
 TRANSPORTS = ["omni_ring", "omni_ring_yield", "mp_queue", "mp_pipe", "faster_fifo", "zmq_ipc"]
+CROSSING = ["zmq_tcp", "omni_bridged"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,15 +389,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the transports take turns this many times, each with its share of the latency"
         " records, so that a noisy spell of the machine falls on all of them alike",
     )
-    parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument(
+        "--transports",
+        default=",".join(TRANSPORTS),
+        help=f"of {', '.join(TRANSPORTS + CROSSING)}",
+    )
     parser.add_argument("--json", help="also write the JSON report to this file")
     # The workers import numpy, whose OpenBLAS starts a thread that spins for about a second:
     # in a consumer it read as 40-70 ms of "idle" CPU a second. Nothing here needs BLAS.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     args = parser.parse_args(argv)
     names = [t for t in args.transports.split(",") if t]
-    if unknown := set(names) - set(TRANSPORTS):
-        parser.error(f"unknown transports {sorted(unknown)}; choose from {TRANSPORTS}")
+    if unknown := set(names) - set(TRANSPORTS + CROSSING):
+        parser.error(f"unknown transports {sorted(unknown)}; choose from {TRANSPORTS + CROSSING}")
     if not 1 <= args.rounds <= args.latency_count:
         parser.error(f"--rounds must be between 1 and --latency-count, not {args.rounds}")
 

@@ -32,7 +32,7 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 py=.venv/bin/python
 extras="cpu"
-(( want_test )) && extras="cpu,dev"
+(( want_test )) && extras="cpu,dev,cluster"
 stamp=".venv/.omni-gateway-$extras-$(sha1sum pyproject.toml setup.py | sha1sum | cut -c1-12)"
 if [[ ! -e "$stamp" ]]; then
   echo "setup: installing omni-gateway[$extras] into .venv (vLLM CPU build: a few minutes the first time)"

@@ -69,6 +69,12 @@ class Control:
         """Bump the session's epoch, purging its queued records everywhere; return the new one."""
         return self._core.cancel(session)
 
+    def advance(self, session: int, epoch: int) -> int:
+        """Raise the session's epoch to `epoch` unless it is already there or past it (wrap-safe,
+        as `epoch_older`); return the epoch after. For a mirror of another host's segment,
+        which learns each session's epoch from the records that cross."""
+        return self._core.advance(session, epoch)
+
     def open_session(self, first: int = 0, step: int = 1) -> int | None:
         """Claim a free session id for this process (its epoch is bumped, so nothing a previous
         holder queued is delivered); None when every slot is taken.

@@ -189,6 +189,24 @@ static PyObject *Control_cancel(ControlObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLong(epoch);
 }
 
+static PyObject *Control_advance(ControlObject *self, PyObject *args) {
+    PyObject *session_obj, *epoch_obj;
+    uint32_t session, now;
+    if (!PyArg_ParseTuple(args, "OO:advance", &session_obj, &epoch_obj))
+        return NULL;
+    if (session_arg(self, session_obj, &session) < 0)
+        return NULL;
+    unsigned long long epoch = PyLong_AsUnsignedLongLong(epoch_obj);
+    if (epoch == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (epoch > 0xFFFFFFFFull) {
+        PyErr_Format(PyExc_ValueError, "advance: epoch %llu is not a 32-bit epoch", epoch);
+        return NULL;
+    }
+    og_control_advance(self->shared, session, (uint32_t)epoch, &now);
+    return PyLong_FromUnsignedLong(now);
+}
+
 static PyObject *Control_claim(ControlObject *self, PyObject *args) {
     uint32_t session;
     unsigned int first = 0, step = 1;
@@ -257,6 +275,9 @@ static PyObject *Control_get_closed(ControlObject *self, void *c) {
 static PyMethodDef Control_methods[] = {
     {"epoch", (PyCFunction)Control_epoch, METH_O, "The session's current epoch."},
     {"cancel", (PyCFunction)Control_cancel, METH_O, "Increment the session's epoch; return it."},
+    {"advance", (PyCFunction)Control_advance, METH_VARARGS,
+     "advance(session, epoch): raise the session's epoch to epoch unless it is there or past it; "
+     "return the epoch after."},
     {"claim", (PyCFunction)Control_claim, METH_VARARGS,
      "claim(first=0, step=1): claim the lowest free slot of first, first+step, ..."},
     {"release", (PyCFunction)Control_release, METH_O, "Free a session slot."},

@@ -114,6 +114,23 @@ og_status og_control_cancel(og_control_shared *c, uint32_t session, uint32_t *ne
     return OG_OK;
 }
 
+og_status og_control_advance(og_control_shared *c, uint32_t session, uint32_t epoch,
+                             uint32_t *now) {
+    if (session >= c->max_sessions)
+        return OG_BAD_SESSION;
+    uint32_t current = atomic_load_explicit(&c->epochs[session], memory_order_acquire);
+    /* older(current, epoch): current comes before epoch, modulo 2**32 */
+    while ((uint32_t)(current - epoch) >= 0x80000000u) {
+        if (atomic_compare_exchange_weak_explicit(&c->epochs[session], &current, epoch,
+                                                  memory_order_acq_rel, memory_order_acquire)) {
+            current = epoch;
+            break;
+        }
+    }
+    *now = current;
+    return OG_OK;
+}
+
 static inline _Atomic uint32_t *slot_of(og_control_shared *c, uint32_t session) {
     return &c->epochs[c->max_sessions + session];
 }

@@ -144,6 +144,10 @@ og_status og_control_open(og_control_shared *control, size_t segment_size);
 /* Epochs. */
 og_status og_control_epoch(og_control_shared *c, uint32_t session, uint32_t *epoch);
 og_status og_control_cancel(og_control_shared *c, uint32_t session, uint32_t *new_epoch);
+/* A mirror of another host's segment: raise the session's epoch to `epoch` unless it is already
+ * there or past it (32-bit, wrap-safe, as consumers compare); `*now` is the epoch after. */
+og_status og_control_advance(og_control_shared *c, uint32_t session, uint32_t epoch,
+                             uint32_t *now);
 /* Session slots, so that several processes can hand out session ids without clashing:
  * claim a free slot for `holder_pid` (its epoch is bumped, purging anything a previous holder
  * left queued), release it, read who holds it (0 when free). A claim looks only at the slots

@@ -35,3 +35,16 @@ def test_bad_arguments_are_named(args, message, capsys) -> None:
     with pytest.raises(SystemExit):
         main(args)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_crossing_link_is_measured_ring_to_ring_through_the_bridges(tmp_path) -> None:
+    out = tmp_path / "crossing.json"
+    args = ["--latency-count", "41", "--throughput-count", "300", "--rounds", "1"]
+    assert main([*args, "--transports", "zmq_tcp,omni_bridged", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert {(r["transport"], r["payload_bytes"]) for r in results} == {
+        (t, size) for t in ("zmq_tcp", "omni_bridged") for size in (6400, 16)
+    }
+    for result in results:
+        assert result["latency_us"]["samples"] == 41 and result["records_per_s"] > 0

@@ -261,3 +261,23 @@ def test_wake_yield_is_off_until_asked_and_refused_once_closed(control: Control)
     ring.close()
     with pytest.raises(ValueError, match="closed"):
         ring.wake_yield = False
+
+
+def test_advance_keeps_the_larger_epoch_across_the_wrap(control: Control) -> None:
+    assert control.advance(6, 3) == 3
+    assert control.advance(6, 2) == 3  # an older epoch leaves it
+    assert control.advance(6, 3) == 3
+    control.cancel(7)
+    control.cancel(7)
+    assert control.advance(7, 2**32 - 1) == 2  # 2**32 - 1 comes before 2, across the wrap
+    assert control.advance(8, 2**32 - 2) == 0  # half the circle or more behind 0: older
+    assert control.advance(8, 2**31 - 1) == 2**31 - 1
+    assert control.advance(8, 2**32 - 2) == 2**32 - 2
+    assert control.advance(8, 1) == 1  # 1 comes after 2**32 - 2, across the wrap
+    assert control.advance(8, 2**32 - 1) == 1  # and 2**32 - 1 before 1
+    with pytest.raises(ValueError, match="32-bit"):
+        control.advance(8, 2**32)
+    with pytest.raises(OverflowError):
+        control.advance(8, -1)
+    with pytest.raises(ValueError, match="outside control segment"):
+        control.advance(control.max_sessions, 1)
