@@ -30,6 +30,7 @@ import zmq
 
 from shm import Control, PeerDiedError, Record, Ring
 from stages import wire
+from stages.messages import Kind
 from stages.wire import WireError, WireKind
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,9 @@ class WireToRing:
         self.ring, self.link, self.control = ring, link, control
         self.on_down, self.dead_after_s = on_down, dead_after_s
         self.received = 0  # records pushed into the ring
+        # sessions opened through this link and not closed: a stage host's record of the calls
+        # a gateway host it loses had open there (stages.crossing.close_sessions)
+        self.sessions: set[int] = set()
         self.refused = 0  # frames from no accepted sender
         self.up = False
         self.down_reason: str | None = None
@@ -251,6 +255,10 @@ class WireToRing:
             if self.control is not None:
                 self.control.advance(frame.session, frame.epoch)
             self._push(frame)
+            if frame.kind == Kind.SESSION_OPEN:
+                self.sessions.add(frame.session)
+            elif frame.kind == Kind.SESSION_CLOSE:
+                self.sessions.discard(frame.session)
 
     def _push(self, frame: Record) -> None:
         """Into the ring, waiting while it is full: meanwhile nothing is read, the socket's

@@ -20,11 +20,11 @@ from typing import Any
 
 from shm import reap_stale
 from stages.config import PipelineConfig
-from stages.messages import STAGE_RESTARTED, Error, SessionClose
+from stages.crossing import close_sessions, fail_served_sessions
 from stages.mps import MpsDaemon, thread_share_env
 from stages.placement import StagePlacement, plan, wants_gpus
 from stages.process_groups import StageGroups
-from stages.rings import GATEWAY, STAGES, Outbox, RingNames, RingSet, role_of
+from stages.rings import GATEWAY, STAGES, RingNames, RingSet, role_of
 from stages.stage_process import StageSpec, stage_main
 
 logger = logging.getLogger(__name__)
@@ -293,15 +293,9 @@ class Supervisor:
         through that instance's own ring (its producer is dead, so the supervisor may push
         there until the restart)."""
         assert self.rings is not None
-        control = self.rings.control
-        role = role_of(stage)
-        for session in control.open_sessions():
-            if self.names.instance_for(role, session) != stage:
-                continue  # served by another replica, which is alive
-            control.cancel(session)
-            gateway = self.names.instance_for(GATEWAY, session)
-            to_gateway = Outbox(self.rings.rings[(stage, gateway)], stage, gateway)
-            to_gateway.send(session, Error(role, STAGE_RESTARTED, message), timeout=1.0)
+        for gateway in self.names.gateways:
+            ring = self.rings.rings[(stage, gateway)]
+            fail_served_sessions(self.names, self.rings.control, ring, stage, gateway, message)
 
     def release_gateway_sessions(self, instance: str, pid: int, reason: str) -> list[int]:
         """Gateway process `instance` (pid `pid`) died: close each session it held in every
@@ -316,8 +310,8 @@ class Supervisor:
             control.cancel(session)
             for role in STAGES:
                 stage = self.names.instance_for(role, session)
-                Outbox(self.rings.rings[(instance, stage)], instance, stage).send(
-                    session, SessionClose(reason), timeout=1.0
+                close_sessions(
+                    self.rings.rings[(instance, stage)], instance, stage, [session], reason
                 )
             control.close_session(session)
             closed.append(session)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,6 +17,9 @@ import zmq
 from shm import FLAG_NO_PURGE, Control, Ring, segment_name
 from stages import wire
 from stages.bridge import WireToRing
+from stages.crossing import close_sessions, fail_served_sessions
+from stages.messages import STAGE_RESTARTED, Error, SessionClose, SessionOpen, decode, encode
+from stages.rings import RingNames
 
 ADDRESS = "127.0.0.2"  # the far "host": another address of the loopback
 DEAD_AFTER_S = 0.3
@@ -43,10 +46,13 @@ class Downs:
     reasons: list[str] = field(default_factory=list)
     at: list[float] = field(default_factory=list)
     event: threading.Event = field(default_factory=threading.Event)
+    then: Callable[[str], None] | None = None  # what the link's owner does about it
 
     def __call__(self, reason: str) -> None:
         self.reasons.append(reason)
         self.at.append(time.monotonic())
+        if self.then is not None:
+            self.then(reason)
         self.event.set()
 
 
@@ -219,3 +225,49 @@ def test_a_sender_of_another_incarnation_is_refused(hop: Hop) -> None:
     assert hop.source.push(b"fresh", session=1, kind=31)
     hop.until(1)
     assert hop.dest.pop(1).payload == b"fresh"
+
+
+def test_a_stage_host_that_dies_fails_the_calls_it_served_on_the_gateway_host(hop: Hop) -> None:
+    """The receiving end is the gateway host's (vocoder.1 -> gateway.1): the sessions of
+    gateway.1 that vocoder.1 serves get an Error, the other calls nothing."""
+    names = RingNames("test", (("gateway", 2), ("vocoder", 2)))
+    authority = hop.mirror  # the gateway host's control: the ring it reads is checked by it
+    sessions = [authority.open_session() for _ in range(8)]
+    assert sessions == list(range(8))
+    served = [s for s in sessions if s % 2 == 1 and (s // 2) % 2 == 1]  # gateway.1, vocoder.1
+    before = {s: authority.epoch(s) for s in sessions}
+    for session in sessions:  # the stage host's mirror learned them from the gateway's records
+        hop.control.advance(session, before[session])
+    hop.downs.then = lambda reason: fail_served_sessions(
+        names, authority, hop.dest, "vocoder.1", "gateway.1", f"the vocoder's host: {reason}"
+    )
+    hop.start_sender()
+    assert hop.source.push(b"audio", session=served[0], kind=40)
+    hop.until(1)
+    assert hop.dest.pop(1).payload == b"audio"
+    assert hop.sender is not None
+    hop.sender.kill()
+    assert hop.downs.event.wait(5)
+    errors = []
+    while (record := hop.dest.pop(0)) is not None:
+        errors.append((record.session, decode(record.kind, record.payload)))
+    assert [s for s, _ in errors] == served == [3, 7]
+    for _, error in errors:
+        assert isinstance(error, Error) and error.code == STAGE_RESTARTED
+        assert error.stage == "vocoder" and "nothing from the sender" in error.message
+    assert {s for s in sessions if authority.epoch(s) != before[s]} == set(served)
+
+
+def test_a_stage_host_knows_the_calls_a_gateway_host_had_open_and_closes_them(hop: Hop) -> None:
+    hop.start_sender()
+    for session, msg in ((1, SessionOpen()), (2, SessionOpen()), (1, SessionClose())):
+        kind, payload = encode(msg)
+        assert hop.source.push(payload, session=session, kind=kind, flags=FLAG_NO_PURGE)
+    hop.until(3)
+    assert hop.receiver.sessions == {2}
+    for _ in range(3):
+        hop.dest.pop(0)
+    close_sessions(hop.dest, "gateway", "reasoning", hop.receiver.sessions, "gateway_host_lost")
+    record = hop.dest.pop(0)
+    assert record is not None and record.session == 2
+    assert decode(record.kind, record.payload) == SessionClose("gateway_host_lost")
