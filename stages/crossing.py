@@ -5,11 +5,14 @@ ring keeps one producer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import uuid
+from collections.abc import Iterable, Mapping
 
 from shm import Control, Ring
+from stages.bridge import RingToWire, WireToRing
 from stages.messages import STAGE_RESTARTED, Error, SessionClose
-from stages.rings import GATEWAY, Outbox, RingNames, role_of
+from stages.rings import GATEWAY, Outbox, RingNames, RingSet, role_of
 
 
 def fail_served_sessions(
@@ -41,3 +44,84 @@ def close_sessions(
     to_stage = Outbox(ring, gateway, stage)
     for session in sessions:
         to_stage.send(session, SessionClose(reason), timeout=1.0)
+
+
+class CrossingLinks:
+    """One host's ends of the links that cross to other hosts: a `WireToRing` bound on
+    `address` for each link into this host, a `RingToWire` for each link out of it once
+    `connect` is given the far ends' endpoints. The rings are this host's `RingSet`'s.
+
+    When an inbound link dies its paired outbound link stops sending (dropping what its ring
+    holds), and the calls on it are failed (a stage lost to a gateway here) or closed (a
+    gateway lost to a stage here)."""
+
+    def __init__(self, names: RingNames, rings: RingSet, address: str) -> None:
+        self.names, self.rings, self.address = names, rings, address
+        self.incarnation = uuid.uuid4().hex
+        self.inbound: dict[tuple[str, str], WireToRing] = {}
+        self.outbound: dict[tuple[str, str], RingToWire] = {}
+        try:
+            for src, dst in names.links_here:
+                if names.crossing(src, dst) and names.host_of(dst) == names.here:
+                    self.inbound[(src, dst)] = WireToRing(
+                        rings.rings[(src, dst)],
+                        address,
+                        link=link_name(src, dst),
+                        control=rings.control,
+                        on_down=functools.partial(self._down, src, dst),
+                    )
+        except BaseException:
+            self.stop()
+            raise
+        for receiver in self.inbound.values():
+            receiver.start()
+
+    @property
+    def endpoints(self) -> dict[tuple[str, str], str]:
+        """Where each link into this host is received."""
+        return {link: receiver.endpoint for link, receiver in self.inbound.items()}
+
+    def connect(self, endpoints: Mapping[tuple[str, str], str]) -> None:
+        """Start sending on each link out of this host, to the far host's endpoint for it."""
+        names = self.names
+        for src, dst in names.links_here:
+            if not names.crossing(src, dst) or names.host_of(src) != names.here:
+                continue
+            if (src, dst) in self.outbound:
+                continue
+            if (src, dst) not in endpoints:
+                raise KeyError(
+                    f"no endpoint for link {link_name(src, dst)} (from host {names.host_of(dst)})"
+                )
+            sender = RingToWire(
+                self.rings.rings[(src, dst)],
+                endpoints[(src, dst)],
+                link=link_name(src, dst),
+                incarnation=self.incarnation,
+            )
+            sender.start()
+            self.outbound[(src, dst)] = sender
+
+    def _down(self, src: str, dst: str, reason: str) -> None:
+        """Link src -> dst into this host died (on its receiving thread: the producer of the
+        ring this pushes into)."""
+        if (paired := self.outbound.get((dst, src))) is not None:
+            paired.link_down()
+        names, ring = self.names, self.rings.rings[(src, dst)]
+        host = names.host_of(src)
+        if role_of(dst) == GATEWAY:
+            message = f"the {role_of(src)}'s host ({host}) stopped answering: {reason}"
+            fail_served_sessions(names, self.rings.control, ring, src, dst, message)
+        elif role_of(src) == GATEWAY:
+            sessions = sorted(self.inbound[(src, dst)].sessions)
+            close_sessions(ring, src, dst, sessions, "gateway_host_lost")
+
+    def stop(self) -> None:
+        for end in (*self.outbound.values(), *self.inbound.values()):
+            end.stop()
+        self.outbound.clear()
+        self.inbound.clear()
+
+
+def link_name(src: str, dst: str) -> str:
+    return f"{src}>{dst}"

@@ -14,13 +14,19 @@ the session ids k, k + n, k + 2n, ... (`Control.open_session(k, n)`), so a sessi
 which gateway owns it; a stage role's replicas split each gateway's sessions between them,
 `(session // n) % replicas`. Senders name the role; `RingNames.instance_for` picks the ring.
 Acknowledgements and errors carry the role, so the gateway sees one vocoder whatever the count.
+
+Across hosts (docs/scaling.md) each instance has a host (`RingNames.hosts`; unnamed: the
+gateway's) and each host its own segments, named with the host: a link within a host is a ring
+as above; a crossing link is a ring on each of its two hosts joined by bridges
+(stages.bridge). `RingNames.on(host)` is one host's view of the pipeline; a process attaches
+its ends on its own host and does not know which of its peers are elsewhere.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shm import FLAG_NO_PURGE, Control, Ring, segment_name
 from stages.config import PipelineConfig
@@ -40,6 +46,7 @@ LINKS: tuple[tuple[str, str], ...] = (
     ("vocoder", GATEWAY),
 )
 AUDIO_LINKS = {(GATEWAY, "encoder"), ("vocoder", GATEWAY)}
+LOCAL = "local"  # the host of every instance not placed elsewhere: the gateway's
 
 
 def role_of(instance: str) -> str:
@@ -56,6 +63,8 @@ class RingNames:
     prefix: str
     replicas: tuple[tuple[str, int], ...] = ()
     wake_yield: bool = False
+    hosts: tuple[tuple[str, str], ...] = ()  # instance -> host, for those not on LOCAL
+    host: str = ""  # the host whose segments these names are ("": the one host there is)
 
     @classmethod
     def fresh(
@@ -67,12 +76,54 @@ class RingNames:
                 raise ValueError(f"cannot run {n} replicas of {role!r}")
         return cls(segment_name("pipe")[1:], counts, wake_yield)
 
+    def placed(self, hosts: Mapping[str, str], host: str) -> RingNames:
+        """These names with instances placed on hosts (by instance, or by role for all its
+        instances; the rest are on LOCAL), seen from `host`."""
+        by_instance = {
+            i: hosts.get(i, hosts.get(role, LOCAL))
+            for role in (GATEWAY, *STAGES)
+            for i in self.instances(role)
+        }
+        return replace(
+            self,
+            hosts=tuple(sorted((i, h) for i, h in by_instance.items() if h != LOCAL)),
+            host=host,
+        )
+
+    def on(self, host: str) -> RingNames:
+        """The same pipeline seen from `host`."""
+        return replace(self, host=host)
+
+    def host_of(self, instance: str) -> str:
+        return dict(self.hosts).get(instance, LOCAL)
+
+    @property
+    def here(self) -> str:
+        """The host these names are for (LOCAL when there is one)."""
+        return self.host or LOCAL
+
+    def _segment(self, name: str) -> str:
+        return f"/{self.prefix}-{name}" if not self.hosts else f"/{self.prefix}-{self.here}-{name}"
+
     @property
     def control(self) -> str:
-        return f"/{self.prefix}-control"
+        """This host's control segment: the gateway host's holds the epochs; another host's
+        is its mirror, raised by the records that cross (stages.bridge)."""
+        return self._segment("control")
 
     def ring(self, src: str, dst: str) -> str:
-        return f"/{self.prefix}-{src}-{dst}"
+        """The ring of link src -> dst on this host."""
+        return self._segment(f"{src}-{dst}")
+
+    def crossing(self, src: str, dst: str) -> bool:
+        """Whether link src -> dst joins two hosts."""
+        return self.host_of(src) != self.host_of(dst)
+
+    @property
+    def links_here(self) -> tuple[tuple[str, str], ...]:
+        """The links with an end on this host: each has a ring here."""
+        here = self.here
+        return tuple((a, b) for a, b in self.links if here in (self.host_of(a), self.host_of(b)))
 
     def count(self, role: str) -> int:
         return dict(self.replicas).get(role, 1)
@@ -84,6 +135,11 @@ class RingNames:
     def stages(self) -> tuple[str, ...]:
         """Every stage process of the pipeline, replicas included."""
         return tuple(i for role in STAGES for i in self.instances(role))
+
+    @property
+    def stages_here(self) -> tuple[str, ...]:
+        """The stage processes on this host."""
+        return tuple(i for i in self.stages if self.host_of(i) == self.here)
 
     @property
     def links(self) -> tuple[tuple[str, str], ...]:
@@ -114,14 +170,15 @@ class RingNames:
 
 
 class RingSet:
-    """Every segment of a pipeline, created and owned by the supervisor's process."""
+    """Every segment of a pipeline on one host (`names.host`), created and owned by that host's
+    supervisor's process."""
 
     def __init__(self, names: RingNames, config: PipelineConfig) -> None:
         self.names = names
         self.control = Control.create(names.control, config.max_sessions)
         self.rings: dict[tuple[str, str], Ring] = {}
         try:
-            for link in names.links:
+            for link in names.links_here:
                 audio = (role_of(link[0]), role_of(link[1])) in AUDIO_LINKS
                 size = config.rings.audio_bytes if audio else config.rings.event_bytes
                 self.rings[link] = Ring.create(names.ring(*link), size, control=self.control)

@@ -20,7 +20,7 @@ from typing import Any
 
 from shm import reap_stale
 from stages.config import PipelineConfig
-from stages.crossing import close_sessions, fail_served_sessions
+from stages.crossing import CrossingLinks, close_sessions, fail_served_sessions
 from stages.mps import MpsDaemon, thread_share_env
 from stages.placement import StagePlacement, plan, wants_gpus
 from stages.process_groups import StageGroups
@@ -85,17 +85,24 @@ class Supervisor:
         log_level: int = logging.INFO,
         on_restart: Callable[[str, int], None] | None = None,
         gateways: int = 1,
+        names: RingNames | None = None,
+        link_address: str = "127.0.0.1",
     ) -> None:
-        """`gateways`: how many gateway processes will attach (each gets its own rings)."""
+        """`gateways`: how many gateway processes will attach (each gets its own rings).
+        `names`: a pipeline placed across hosts (`RingNames.placed`), seen from this
+        supervisor's host: only the stages on it are run here, and the links that cross to
+        other hosts are received on `link_address` (`open_links`, then `links.connect`)."""
         self.config = config
         self.log_level = log_level
-        self.names = RingNames.fresh(
+        self.names = names or RingNames.fresh(
             {"vocoder": config.vocoder.replicas, GATEWAY: gateways},
             wake_yield=config.rings.wake_yield,
         )
+        self.link_address = link_address
         self.rings: RingSet | None = None
-        # by instance: 'encoder', 'reasoning', 'vocoder' and the vocoder's replicas
-        self.stages = {name: StageProcess(name) for name in self.names.stages}
+        self.links: CrossingLinks | None = None
+        # by instance: 'encoder', 'reasoning', 'vocoder' and the vocoder's replicas, on this host
+        self.stages = {name: StageProcess(name) for name in self.names.stages_here}
         self.placements: dict[str, StagePlacement] = {}
         self.mps: MpsDaemon | None = None
         self.on_restart = on_restart
@@ -116,8 +123,8 @@ class Supervisor:
         if reaped := reap_stale():
             progress(f"reaped {len(reaped)} shared-memory segments left by a dead process")
         self.groups = StageGroups()  # ends what the stages of a killed supervisor left
-        self.rings = RingSet(self.names, self.config)
         try:
+            self.open_links()
             if self.config.gpu_sharing == "mps":
                 self._start_mps(progress)
             for stage in self.stages.values():
@@ -128,6 +135,15 @@ class Supervisor:
             raise
         self._watcher = threading.Thread(target=self._watch, name="stage-watcher", daemon=True)
         self._watcher.start()
+
+    def open_links(self) -> dict[tuple[str, str], str]:
+        """This host's segments, and the receiving ends of the links into it from other hosts
+        (their endpoints, returned, are what the other hosts' `links.connect` needs)."""
+        if self.rings is None:
+            self.rings = RingSet(self.names, self.config)
+        if self.links is None and self.names.hosts:
+            self.links = CrossingLinks(self.names, self.rings, self.link_address)
+        return self.links.endpoints if self.links is not None else {}
 
     def _start_mps(self, progress: Progress) -> None:
         """Run a CUDA MPS daemon for the stages and point every stage process at it."""
@@ -337,6 +353,9 @@ class Supervisor:
                 self.groups = None
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(2)
+        if self.links is not None:  # before the rings they pop and push
+            self.links.stop()
+            self.links = None
         if self.rings is not None:
             self.rings.close()
             self.rings = None
