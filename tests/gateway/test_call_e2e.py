@@ -61,6 +61,10 @@ async def test_spoken_turn_gets_transcript_and_spoken_reply(server, make_speech)
     try:
         created = await call.next_event("session.created")
         assert created["session"]["id"] == call.call_id
+        # a reply of seconds is heard whole as well as one of the module's 160 tokens (whose
+        # length is for the barge-ins), in a quarter of the time
+        call.send({"type": "session.update", "session": {"max_output_tokens": 40}})
+        await call.next_event("session.updated", timeout=10)
         call.microphone.play(speech48k(make_speech("what is the weather like today in paris")))
         await call.next_event("input_audio_buffer.speech_started", timeout=10)
         await call.next_event("input_audio_buffer.speech_stopped", timeout=20)

@@ -35,7 +35,8 @@ def service(tmp_path: Path) -> Iterator[Service]:
     config = write_config(
         tmp_path,
         gateway__processes=2,
-        reasoning__sampling={"max_tokens": 48, "ignore_eos": True},
+        # short replies: each of the four calls hears its reply to the end
+        reasoning__sampling={"max_tokens": 16, "ignore_eos": True},
     )
     service = Service(config)
     try:
