@@ -16,6 +16,23 @@ from stages.backends.tiny_speech_models import (
 from stages.link import EventQueues, PipelineLink
 from stages.supervisor import Supervisor
 
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
+
+
+def tiny_with_long_replies():
+    """configs/tiny.yaml with replies long enough that one is always in flight to cancel, and
+    synthesis unpaced (no real-time listener at the rings' end)."""
+    from gateway.config import load_config
+
+    return load_config(
+        TINY,
+        {
+            "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
+            "max_sessions": 16,
+            "vocoder.max_lead_ms": 600_000,
+        },
+    )
+
 
 @pytest.fixture(scope="session")
 def tiny_whisper(tmp_path_factory: pytest.TempPathFactory) -> Path:

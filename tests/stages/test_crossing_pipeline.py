@@ -7,36 +7,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from gateway.config import load_config
 from shm import list_segments
 from stages.driver import speak_turn
 from stages.host import TwoHosts, two_hosts
 from stages.link import EventQueues, PipelineLink
 from stages.messages import STAGE_RESTARTED, Kind
+from tests.stages.conftest import tiny_with_long_replies
 from tests.stages.stage_events import cancel_acks, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).parents[2]
-TINY = ROOT / "configs" / "tiny.yaml"
 SENTENCE = "what is the weather like today in paris"
 FAR = "b"
 
 
 @pytest.fixture(scope="module")
 def config():
-    return load_config(
-        TINY,
-        {
-            "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
-            "max_sessions": 16,
-            "vocoder.max_lead_ms": 600_000,  # no real-time listener here
-        },
-    )
+    return tiny_with_long_replies()
 
 
 @pytest.fixture(scope="module")

@@ -7,37 +7,26 @@ from __future__ import annotations
 import difflib
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gateway.config import load_config
 from stages.backends.asr_pocketsphinx import load_pocketsphinx
 from stages.driver import TurnResult, collect_reply, speak_turn
 from stages.envelope import Envelope
 from stages.link import EventQueues, PipelineLink
 from stages.messages import Kind
+from tests.stages.conftest import tiny_with_long_replies
 from tests.stages.stage_events import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 SENTENCE = "what is the weather like today in paris"
 
 
 @pytest.fixture(scope="module")
 def config():
-    # long replies (ignore_eos) so that there is always a reply in flight to cancel
-    return load_config(
-        TINY,
-        {
-            "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
-            "max_sessions": 16,
-            # no real-time listener here: synthesize without pacing
-            "vocoder.max_lead_ms": 600_000,
-        },
-    )
+    return tiny_with_long_replies()
 
 
 def drain(events: EventQueues, session: int) -> list[Envelope]:
