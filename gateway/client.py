@@ -202,6 +202,9 @@ class RealtimeCall:
         self.events.put_nowait(event)
 
     def send(self, event: dict[str, Any]) -> None:
+        """Send a client event; ConnectionError once the call's data channel has closed."""
+        if self.channel.readyState != "open":
+            raise ConnectionError(f"the call's data channel is {self.channel.readyState}")
         self.channel.send(json.dumps(event))
 
     async def next_event(self, *types: str, timeout: float = 30) -> dict[str, Any]:

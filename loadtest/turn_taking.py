@@ -270,14 +270,14 @@ async def _caller(base: str, clips: list[Clip], turn_detection: str) -> list[dic
                 if down is not None:
                     raise MediaDown(down)
                 result = await trial(call, clip)
-            except MediaDown as exc:  # the rest of this caller's clips are not tried
-                down = down or f"{exc} (connection {call.pc.connectionState})"
+            except (MediaDown, ConnectionError) as exc:  # the rest of this caller's clips are
+                down = down or f"{exc} (connection {call.pc.connectionState})"  # not tried
                 result = {"error": down}
             except (TimeoutError, RuntimeError) as exc:  # RuntimeError: an error event
                 result = {"error": str(exc) or "timed out"}
                 try:
                     await _quiet(call)
-                except MediaDown as stalled:
+                except (MediaDown, ConnectionError) as stalled:
                     down = f"{stalled} (connection {call.pc.connectionState})"
             out.append({"kind": clip.kind, "voice": clip.voice, "text": clip.text, **result})
     finally:
