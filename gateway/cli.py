@@ -144,9 +144,17 @@ def _start(args: argparse.Namespace, config: Any) -> int:
         export_headers(config.gateway.tracing)
     if config.gateway.opus == "opuslib":
         opuslib()
-    supervisor = Supervisor(
-        config, log_level=logging.getLogger().level, gateways=config.gateway.processes
-    )
+    log_level, gateways = logging.getLogger().level, config.gateway.processes
+    if config.cluster is not None:
+        from stages.cluster import ClusterSupervisor
+
+        supervisor: Supervisor = ClusterSupervisor(
+            config, config.cluster, log_level=log_level, gateways=gateways
+        )
+        groups = ", ".join(f"{n}: {', '.join(g.stages)}" for n, g in config.cluster.groups.items())
+        _progress(f"stages on the Ray cluster at {config.cluster.address}: {groups}")
+    else:
+        supervisor = Supervisor(config, log_level=log_level, gateways=gateways)
     try:
         _progress(f"starting stages from {args.config}")
         supervisor.start(progress=_progress)

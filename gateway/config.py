@@ -10,7 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from stages.config import PipelineConfig, Strict
+from stages.config import ClusterConfig, PipelineConfig, Strict
 
 
 class TurnDetectionConfig(Strict):
@@ -460,6 +460,9 @@ class OmniConfig(PipelineConfig):
     """A whole deployment, as written in configs/*.yaml."""
 
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    cluster: ClusterConfig | None = Field(
+        None, description="stages placed on other hosts by Ray; unset: every stage here"
+    )
 
     @model_validator(mode="after")
     def _sessions_for_every_process(self) -> OmniConfig:

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def vocoder_rate(supervisor: Supervisor) -> int:
-    return int(supervisor.stages["vocoder"].info["sample_rate"])
+    return int(supervisor.stage_info("vocoder")["sample_rate"])
 
 
 def build_app(config: OmniConfig, supervisor: Supervisor, **process: Any) -> web.Application:

@@ -5,9 +5,10 @@ Run: python -m loadtest.cluster_bench [--config configs/tiny.yaml] [--turns 4] [
 
 Two layouts of the same pipeline take turns, round by round, each started afresh so that a
 noisy spell of the machine falls on both: `ring`, every stage on the gateway's host, and
-`hop`, the encoder and the vocoder on another host (`stages.host.two_hosts`: a process tree of
-its own whose links are received on 127.0.0.2, every record between the hosts crossing TCP
-through stages.bridge). In each round:
+`hop`, the encoder and the vocoder placed by Ray on another node (`stages.cluster`: a Ray
+cluster of raylets on loopback addresses, `stages.loopback_cluster`, the other node on
+127.0.0.2, every record between the hosts crossing TCP through stages.bridge). The cluster runs
+for the whole benchmark, so that its processes idle beside both layouts. In each round:
 - turns: `--turns` spoken turns one after another (`stages.driver.speak_turn`), each timed
   hop by hop as the gateway's host sees the records arrive: speech stopped -> transcript ->
   reply started -> first token -> first phrase -> first audio. The hop layout crosses the
@@ -39,7 +40,9 @@ from loadtest.ring_bench import machine
 
 ROOT = Path(__file__).parents[1]
 LAYOUTS = ("ring", "hop")
-FAR = {"encoder": "b", "vocoder": "b"}
+FAR = ("encoder", "vocoder")  # the stages the hop layout runs on the other node
+FAR_NODE = "127.0.0.2"
+FAR_RESOURCE = "far"  # what only that node advertises
 SENTENCE = "what is the weather like today in paris"
 STAGES = ("encoder", "reasoning", "vocoder")
 TURN_HOPS = (
@@ -57,18 +60,23 @@ def log(line: str) -> None:
 
 
 @contextlib.contextmanager
-def pipeline(config: Any, layout: str) -> Iterator[Any]:
-    """The layout's pipeline, its gateway end's link and events."""
-    from stages.host import two_hosts
+def pipeline(config: Any, layout: str, cluster: str) -> Iterator[Any]:
+    """The layout's pipeline, its gateway end's link and events; `cluster`: the address of the
+    Ray cluster the hop layout places its far stages on."""
+    from stages.cluster import ClusterSupervisor
+    from stages.config import ClusterConfig
     from stages.link import EventQueues, PipelineLink
     from stages.supervisor import Supervisor
 
     with contextlib.ExitStack() as stack:
         if layout == "ring":
-            supervisor = stack.enter_context(Supervisor(config))
-            supervisor.start(progress=log)
+            supervisor = Supervisor(config)
         else:
-            supervisor = stack.enter_context(two_hosts(config, FAR)).here
+            far = {"stages": list(FAR), "resources": {FAR_RESOURCE: 1}}
+            placement = ClusterConfig(address=cluster, groups={"b": far})
+            supervisor = ClusterSupervisor(config, placement)
+        stack.enter_context(supervisor)
+        supervisor.start(progress=log)
         events = EventQueues()
         link = PipelineLink(supervisor.names, events)
         stack.callback(link.close)
@@ -223,15 +231,20 @@ def main(argv: list[str] | None = None) -> int:
             "vocoder.max_lead_ms": 600_000,  # no real-time listener: synthesize unpaced
         },
     )
+    from stages.loopback_cluster import LoopbackCluster
+
     speech = _speech()
     raw: dict[str, dict[str, list]] = {name: {"turns": [], "cancels": []} for name in layouts}
-    for k in range(1, args.rounds + 1):
-        for name in layouts:
-            log(f"round {k}/{args.rounds}: {name}")
-            with pipeline(config, name) as (link, events):
-                turns(link, events, speech, 1)  # a first turn warms the models: not counted
-                raw[name]["turns"] += turns(link, events, speech, args.turns)
-                raw[name]["cancels"] += cancels(link, events, args.sessions, args.cancels)
+    with LoopbackCluster() as cluster:
+        cluster.add_node(FAR_NODE, {FAR_RESOURCE: 1})
+        log(f"Ray cluster at {cluster.address}: nodes {', '.join(cluster.alive_nodes())}")
+        for k in range(1, args.rounds + 1):
+            for name in layouts:
+                log(f"round {k}/{args.rounds}: {name}")
+                with pipeline(config, name, cluster.address) as (link, events):
+                    turns(link, events, speech, 1)  # a first turn warms the models: not counted
+                    raw[name]["turns"] += turns(link, events, speech, args.turns)
+                    raw[name]["cancels"] += cancels(link, events, args.sessions, args.cancels)
     results: dict[str, Any] = {}
     for name, got in raw.items():
         results[name] = {
@@ -248,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config
         ),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "far_host": FAR,
+        "far_stages": list(FAR),
+        "far_node": FAR_NODE,
         "results": results,
     }
     print(table(results))

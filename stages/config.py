@@ -286,6 +286,76 @@ class SupervisorConfig(Strict):
     stop_timeout_s: float = Field(15.0, gt=0)
 
 
+class StageGroupConfig(Strict):
+    """Stage instances that share one host of the cluster, placed there by Ray."""
+
+    stages: list[str] = Field(
+        min_length=1,
+        description="roles (all their instances) or instances (`vocoder.1`) run on this host",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources the host must advertise (`ray start --resources`), e.g. "
+        "{vocoder: 1}; the group is placed on a node that has them, and again on another if "
+        "that node dies",
+    )
+    num_gpus: float = Field(0, ge=0, description="GPUs Ray gives the group's host process")
+
+
+class ClusterConfig(Strict):
+    """Stages on other hosts of a Ray cluster (docs/scaling.md): each group is one Ray actor
+    running its stages' processes, its links to the gateway's host over TCP."""
+
+    address: str = Field(description="the Ray head's GCS address, host:port")
+    link_address: str = Field(
+        "127.0.0.1",
+        description="the address of this (the gateway's) host on which the other hosts reach "
+        "its ends of the links",
+    )
+    namespace: str = Field("omni-gateway", description="the Ray namespace of the stage hosts")
+    groups: dict[str, StageGroupConfig] = Field(min_length=1)
+    start_timeout_s: float = Field(
+        300.0, gt=0, description="for a group's host to be placed and its stages ready"
+    )
+    watch_interval_s: float = Field(
+        0.25, gt=0, description="how often each stage host is asked whether it is the same"
+    )
+
+    @field_validator("groups")
+    @classmethod
+    def _groups_place_stages_once(
+        cls, groups: dict[str, StageGroupConfig]
+    ) -> dict[str, StageGroupConfig]:
+        seen: dict[str, str] = {}
+        for name, group in groups.items():
+            if name in ("local", "gateway") or not name.replace("_", "").isalnum():
+                raise ValueError(
+                    f"cluster.groups.{name}: a group's name is letters, digits and _, "
+                    "and not 'local' or 'gateway'"
+                )
+            for stage in group.stages:
+                role = stage.partition(".")[0]
+                if role not in ("encoder", "reasoning", "vocoder"):
+                    raise ValueError(
+                        f"cluster.groups.{name}.stages: {stage!r} is not a stage "
+                        "(encoder, reasoning, vocoder, or an instance such as vocoder.1)"
+                    )
+                # the same instance, or a whole role and one of its instances
+                if clash := [
+                    k
+                    for k in seen
+                    if (k.partition(".")[0] == role and stage in (k, role)) or k == role
+                ]:
+                    raise ValueError(f"{stage!r} is in cluster groups {seen[clash[0]]} and {name}")
+                seen[stage] = name
+        return groups
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Role or instance -> the group (host) it runs on."""
+        return {stage: name for name, group in self.groups.items() for stage in group.stages}
+
+
 class PipelineConfig(Strict):
     """Everything the supervisor needs to run the three stages."""
 

@@ -16,16 +16,23 @@ from stages.rings import GATEWAY, Outbox, RingNames, RingSet, role_of
 
 
 def fail_served_sessions(
-    names: RingNames, control: Control, ring: Ring, stage: str, gateway: str, message: str
+    names: RingNames,
+    control: Control,
+    ring: Ring,
+    stage: str,
+    gateway: str,
+    message: str,
+    opened: Iterable[int] | None = None,
 ) -> list[int]:
     """`stage` is lost to `gateway`: every open session of `gateway` that `stage` serves is
     cancelled (what was queued for it is purged) and the gateway is told, an `Error` with
     STAGE_RESTARTED through `ring` (stage -> gateway), on which the call goes on without its
-    reply. Returns the sessions."""
+    reply. `opened`: the open sessions, where `control` does not hold them (a stage host's
+    mirror: those its link from the gateway saw opened). Returns the sessions."""
     role = role_of(stage)
     to_gateway = Outbox(ring, stage, gateway)
     failed = []
-    for session in control.open_sessions():
+    for session in control.open_sessions() if opened is None else sorted(opened):
         if names.instance_for(role, session) != stage:
             continue  # served by another replica, which is alive
         if names.instance_for(GATEWAY, session) != gateway:
@@ -101,6 +108,30 @@ class CrossingLinks:
             )
             sender.start()
             self.outbound[(src, dst)] = sender
+
+    def reconnect(self, host: str, endpoints: Mapping[tuple[str, str], str]) -> None:
+        """`host` came back (restarted, its links received at new endpoints): send on each
+        link out of this host to it afresh. What its old senders held was dropped while the
+        link was down; the links from it come back up with its first HELLO."""
+        for (src, dst), sender in list(self.outbound.items()):
+            if self.names.host_of(dst) == host:
+                sender.stop()
+                del self.outbound[(src, dst)]
+        self.connect(endpoints)
+
+    def opened(self, gateway: str, stage: str) -> set[int] | None:
+        """The sessions `gateway`, on another host, opened with `stage` here (None: the
+        gateway is on this host, whose control segment holds its sessions)."""
+        receiver = self.inbound.get((gateway, stage))
+        return None if receiver is None else set(receiver.sessions)
+
+    def up(self, host: str) -> bool:
+        """Whether every link into this host from `host` has heard its sender."""
+        return all(
+            receiver.up
+            for (src, _), receiver in self.inbound.items()
+            if self.names.host_of(src) == host
+        )
 
     def _down(self, src: str, dst: str, reason: str) -> None:
         """Link src -> dst into this host died (on its receiving thread: the producer of the

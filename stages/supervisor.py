@@ -233,6 +233,10 @@ class Supervisor:
     def healthy(self) -> bool:
         return all(s.ready and s.process.is_alive() for s in self.stages.values())
 
+    def stage_info(self, instance: str) -> dict[str, Any]:
+        """What stage `instance` said of itself when ready (the vocoder's sample rate...)."""
+        return self.stages[instance].info
+
     def _watch(self) -> None:
         while not self._stopping.is_set():
             sentinels = {s.process.sentinel: s for s in self.stages.values()}
@@ -311,7 +315,10 @@ class Supervisor:
         assert self.rings is not None
         for gateway in self.names.gateways:
             ring = self.rings.rings[(stage, gateway)]
-            fail_served_sessions(self.names, self.rings.control, ring, stage, gateway, message)
+            opened = self.links.opened(gateway, stage) if self.links is not None else None
+            fail_served_sessions(
+                self.names, self.rings.control, ring, stage, gateway, message, opened
+            )
 
     def release_gateway_sessions(self, instance: str, pid: int, reason: str) -> list[int]:
         """Gateway process `instance` (pid `pid`) died: close each session it held in every

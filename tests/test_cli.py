@@ -90,6 +90,23 @@ def test_shipped_configs_are_valid(name: str) -> None:
         ({"encoder__backend": "vosk"}, "encoder.backend: Input should be 'pocketsphinx'"),
         ({"vocoder__backend": "speecht5"}, "needs `model` and `vocoder`"),
         ({"gateway__processes": 40, "max_sessions": 32}, "every process needs session ids"),
+        (
+            {"cluster": {"address": "127.0.0.4:6379", "groups": {"b": {"stages": ["talker"]}}}},
+            "cluster.groups.b.stages: 'talker' is not a stage",
+        ),
+        (
+            {
+                "cluster": {
+                    "address": "127.0.0.4:6379",
+                    "groups": {"b": {"stages": ["vocoder"]}, "c": {"stages": ["vocoder.1"]}},
+                }
+            },
+            "'vocoder.1' is in cluster groups b and c",
+        ),
+        (
+            {"cluster": {"groups": {"b": {"stages": ["encoder"]}}}},
+            "cluster.address: Field required",
+        ),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, changes: dict, expected: str) -> None:

@@ -1,5 +1,5 @@
 """loadtest.cluster_bench's table and its refusals (the benchmark itself starts two pipelines a
-round: tests/stages/test_crossing_pipeline.py runs the hop layout end to end)."""
+round: tests/stages/test_cluster.py runs the hop layout's placement end to end)."""
 
 from __future__ import annotations
 
