@@ -26,6 +26,8 @@ wait)
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
     if [ -n "${OUT:-}" ]; then
         cp "$run"/results.json "$run"/table.md "$OUT"/ 2>/dev/null
+        # loadtest.omni_anchor's own run of ours, rewritten after each layout
+        cp "$run"/ours/results.json "$OUT"/ours-results.json 2>/dev/null
         tail -c 8000000 "$run/run.log" > "$OUT/run.log"
     fi
     ;;
