@@ -19,10 +19,11 @@ from gateway.auth import AuthError, Grant
 from gateway.calls import MULTIPROCESS, Gateway
 from gateway.config import OmniConfig
 from gateway.cors import add_cors
+from gateway.hosts import FORWARDED_HOST, verify
 from gateway.http_errors import openai_error, openai_shaped_errors
 from gateway.json_input import parse_json
 from gateway.protocol import ProtocolError
-from gateway.siblings import client_address
+from gateway.siblings import FORWARDED, VOUCHED, client_address, host_of_call
 from gateway.websocket import serve_websocket, websocket_response
 from stages.link import SessionsFull
 from stages.rings import RingNames
@@ -161,11 +162,63 @@ async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None]
     return sdp, parsed
 
 
+@web.middleware
+async def from_other_hosts(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A request another gateway host forwarded is taken only with the cluster's signature,
+    which also vouches for the caller's address (gateway.hosts)."""
+    if FORWARDED_HOST in request.headers:
+        member = request.app[GATEWAY_KEY].member
+        if member is None:
+            return openai_error(
+                403, "forwarded by a gateway host, but this gateway is in no cluster",
+                code="forbidden",
+            )  # fmt: skip
+        try:
+            request[VOUCHED] = verify(member.secret, request, await _read_body(request)) or ""
+        except PermissionError as exc:
+            return openai_error(403, str(exc), code="forbidden")
+    return await handler(request)
+
+
 async def _to_least_loaded(request: web.Request) -> web.Response | None:
-    """A new call for a sibling process with fewer sessions: its answer; None to take it here."""
-    siblings = request.app[GATEWAY_KEY].siblings
+    """A new call for another host, or a sibling process, with more room: its answer; None
+    to take it here. A host that refuses it (503) is passed over for the next."""
+    gateway = request.app[GATEWAY_KEY]
+    hosts = gateway.hosts
+    if hosts is not None and not hosts.forwarded(request) and FORWARDED not in request.headers:
+        here = gateway.load_here()
+        free_here = here.free if here is not None and here.ready else 0
+        for host in hosts.table.targets_for_new_call(free_here):
+            answer = await hosts.forward(request, host, client_address(request))
+            if answer.status != 503:
+                return answer
+    siblings = gateway.siblings
     if siblings is not None and (target := siblings.target_for_new_call(request)):
         return await siblings.forward(request, target)
+    return None
+
+
+async def _to_holder(request: web.Request, call_id: str) -> web.Response | None:
+    """A request for a call this process does not hold: the answer of the host or sibling
+    process that does, a 404 when it is on a host that does not answer; None when nobody
+    else holds it either."""
+    gateway = request.app[GATEWAY_KEY]
+    host = host_of_call(call_id)
+    if gateway.hosts is not None and host is not None and host != gateway.hosts.member.host:
+        if gateway.hosts.forwarded(request):
+            return None  # forwarded once already
+        holder = gateway.hosts.table.host(host)
+        if holder is None:
+            return openai_error(
+                404, f"no such call: gateway host {host}, which held it, is not answering",
+                code="not_found",
+            )  # fmt: skip
+        return await gateway.hosts.forward(request, holder, client_address(request))
+    sibling = gateway.siblings and gateway.siblings.holder_of_call(call_id, request)
+    if sibling:
+        return await gateway.siblings.forward(request, sibling)
     return None
 
 
@@ -243,12 +296,8 @@ async def hang_up(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
     call = gateway.calls.get(request.match_info["call_id"])
     if call is None:
-        holder = gateway.siblings and gateway.siblings.holder_of_call(
-            request.match_info["call_id"], request
-        )
-        if holder:
-            return await gateway.siblings.forward(request, holder)
-        return openai_error(404, "no such call", code="not_found")
+        elsewhere = await _to_holder(request, request.match_info["call_id"])
+        return elsewhere or openai_error(404, "no such call", code="not_found")
     await call.close("hung up by the client")
     return web.Response(status=204 if request.method == "DELETE" else 200)
 
@@ -387,14 +436,18 @@ async def audio_speech(request: web.Request) -> web.StreamResponse:
 async def health(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY_KEY]
     ready = gateway.is_ready()
-    return web.json_response(
-        {
-            "status": "ready" if ready else "starting",
-            "calls": len(gateway.calls),
-            "process": gateway.instance,
-        },
-        status=200 if ready else 503,
-    )
+    body: dict[str, Any] = {
+        "status": "ready" if ready else "starting",
+        "calls": len(gateway.calls),
+        "process": gateway.instance,
+    }
+    if gateway.hosts is not None:  # this host and the others it hears from
+        body["host"] = gateway.hosts.member.host
+        body["hosts"] = [
+            {"host": h.host, "url": h.url, "free": h.free, "capacity": h.capacity, "ready": h.ready}
+            for h in sorted(gateway.hosts.table.hosts(), key=lambda h: h.host)
+        ]
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -421,10 +474,10 @@ def create_app(
     **process: Any,
 ) -> web.Application:
     """The app of one gateway process; `process`: Gateway's instance, socket_dir and
-    signing_key, for a service of several."""
+    signing_key, for a service of several, and member, for a host of a cluster."""
     app = web.Application(
         client_max_size=MAX_SDP_BYTES,
-        middlewares=[openai_shaped_errors],
+        middlewares=[openai_shaped_errors, from_other_hosts],
         # a connection that sends no whole request (half-sent headers, or idle between
         # requests) is closed after this: aiohttp waits an hour by default
         handler_args={"keepalive_timeout": config.gateway.limits.request_timeout_s},

@@ -18,6 +18,7 @@ from gateway import aiortc_tuning
 from gateway.admission import Admission
 from gateway.auth import Authenticator, Grant, ScrapeAuth
 from gateway.config import OmniConfig
+from gateway.hosts import ClusterMember, HostLoad, HostRouter
 from gateway.loopwatch import LoopWatch, freeze_startup_objects
 from gateway.metrics import GatewayMetrics
 from gateway.opus import opus_rate_for
@@ -52,7 +53,8 @@ class Gateway:
 
     `instance` names the process among the service's (`gateway.processes`); with more than
     one, `socket_dir` holds their sockets for the requests they pass each other
-    (gateway.siblings) and `signing_key` is the one their client secrets share.
+    (gateway.siblings) and `signing_key` is the one their client secrets share. `member`:
+    this host's place in a cluster of gateway hosts (gateway.hosts), whose calls it routes.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class Gateway:
         instance: str = GATEWAY,
         socket_dir: str | Path | None = None,
         signing_key: bytes | None = None,
+        member: ClusterMember | None = None,
     ) -> None:
         self.config = config
         self.names = names
@@ -73,6 +76,9 @@ class Gateway:
         self.socket_dir = socket_dir
         self.vocoder_rate = vocoder_rate
         self.is_ready = is_ready
+        self.member = member
+        if member is not None:
+            signing_key = member.client_secret_key
         self.auth = Authenticator(config.gateway.auth, signing_key=signing_key)
         self.admission = Admission(config.gateway.limits)
         self.scrape_auth = ScrapeAuth(config.gateway.metrics)
@@ -81,6 +87,8 @@ class Gateway:
         self.by_session: dict[int, RealtimeSession | Utterance] = {}
         self.link: PipelineLink | None = None
         self.siblings: Siblings | None = None
+        self.hosts: HostRouter | None = None
+        self.public_url: str | None = None  # where other hosts reach it, once it listens
         self.loop: asyncio.AbstractEventLoop | None = None
         self.trace: StageTrace | None = None
         self.tracing: Tracing | None = None  # OpenTelemetry, when gateway.tracing is on
@@ -137,6 +145,13 @@ class Gateway:
                     self.names, self.instance, self.link.control, self.socket_dir
                 )
                 cleanup.push_async_callback(_logged_async, siblings.close())
+            if self.member is not None:
+                hosts = self.hosts = HostRouter(
+                    self.member, self.load_here, publishes=self.instance == GATEWAY
+                )
+                routing = asyncio.create_task(hosts.run(), name="gateway-hosts")
+                cleanup.push_async_callback(_logged_async, hosts.close())
+                cleanup.push_async_callback(_logged_async, cancel_and_wait(routing))
             if MULTIPROCESS:
                 rings = asyncio.create_task(self._update_ring_metrics(), name="ring-metrics")
                 cleanup.push_async_callback(_logged_async, cancel_and_wait(rings))
@@ -154,6 +169,22 @@ class Gateway:
             cleanup.push_async_callback(_logged_async, watch.stop())
             cleanup.push_async_callback(self._close_calls)
             yield
+
+    def load_here(self) -> HostLoad | None:
+        """This host's load, all its gateway processes', as the cluster's other hosts see it
+        (None until it listens)."""
+        if self.member is None or self.public_url is None or self.link is None:
+            return None
+        capacity = self.config.gateway.max_calls
+        held = len(self.link.control.open_sessions())
+        return HostLoad(
+            self.member.host,
+            self.public_url,
+            max(0, capacity - held),
+            capacity,
+            self.is_ready(),
+            self.member.incarnation,
+        )
 
     async def _close_calls(self) -> None:
         for call in list(self.calls.values()):
@@ -204,7 +235,7 @@ class Gateway:
         session = self.link.open_session()
         gw = self.config.gateway
         call = RealtimeSession(
-            call_id(prefix, self.index),
+            call_id(prefix, self.index, self.member and self.member.host),
             self.link,
             session,
             self.vocoder_rate,

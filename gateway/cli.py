@@ -145,22 +145,36 @@ def _start(args: argparse.Namespace, config: Any) -> int:
     if config.gateway.opus == "opuslib":
         opuslib()
     log_level, gateways = logging.getLogger().level, config.gateway.processes
-    if config.cluster is not None:
+    cluster = config.cluster
+    hosts = None
+    if cluster is not None:
+        from gateway.cluster import GatewayHosts
         from stages.cluster import ClusterSupervisor
 
         supervisor: Supervisor = ClusterSupervisor(
-            config, config.cluster, log_level=log_level, gateways=gateways
+            config, cluster, log_level=log_level, gateways=gateways
         )
-        groups = ", ".join(f"{n}: {', '.join(g.stages)}" for n, g in config.cluster.groups.items())
-        _progress(f"stages on the Ray cluster at {config.cluster.address}: {groups}")
+        groups = ", ".join(f"{n}: {', '.join(g.stages)}" for n, g in cluster.groups.items())
+        if groups:
+            _progress(f"stages on the Ray cluster at {cluster.address}: {groups}")
+        if cluster.gateway_hosts > 1:
+            hosts = GatewayHosts(config, cluster)
+            _progress(
+                f"{cluster.gateway_hosts - 1} more gateway host(s) on the Ray cluster at "
+                f"{cluster.address}, on nodes with {cluster.gateway_resources}"
+            )
     else:
         supervisor = Supervisor(config, log_level=log_level, gateways=gateways)
     try:
         _progress(f"starting stages from {args.config}")
         supervisor.start(progress=_progress)
         _progress("all stages ready")
-        asyncio.run(serve(config, supervisor, _progress))
+        if hosts is not None:
+            hosts.start(_progress)
+        asyncio.run(serve(config, supervisor, _progress, hosts and hosts.member))
     finally:
+        if hosts is not None:
+            hosts.stop()
         supervisor.stop()
     return 0
 

@@ -17,8 +17,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.app import create_app
+from gateway.app import GATEWAY_KEY, create_app
 from gateway.config import OmniConfig
+from gateway.hosts import ClusterMember
 from gateway.media import prepare_media
 from gateway.page import add_page_routes
 from gateway.siblings import socket_path
@@ -38,6 +39,7 @@ class GatewayProcessSpec:
     socket_dir: str
     signing_key: bytes
     log_level: int
+    member: ClusterMember | None = None  # one of a cluster's gateway hosts
 
 
 def gateway_process_main(spec: GatewayProcessSpec, ready: Any, conn: Connection) -> None:
@@ -66,6 +68,7 @@ async def _serve_process(
         instance=spec.instance,
         socket_dir=spec.socket_dir,
         signing_key=spec.signing_key,
+        member=spec.member,
     )
     add_page_routes(app)
     runner = web.AppRunner(app, handle_signals=False)
@@ -77,6 +80,8 @@ async def _serve_process(
     try:
         host, port = config.gateway.host, config.gateway.port
         await web.TCPSite(runner, host, port, reuse_port=True).start()
+        if spec.member is not None:
+            app[GATEWAY_KEY].public_url = f"http://{spec.member.address}:{port}"
         await web.UnixSite(runner, str(socket_path(spec.socket_dir, spec.instance))).start()
         conn.send({"pid": os.getpid()})
         conn.close()

@@ -14,9 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.app import create_app
+from gateway.app import GATEWAY_KEY, create_app
 from gateway.config import OmniConfig
 from gateway.gateway_process import GatewayProcessSpec
+from gateway.hosts import ClusterMember
 from gateway.media import prepare_media
 from gateway.page import add_page_routes
 from gateway.pool import GatewayPool
@@ -41,15 +42,18 @@ def build_app(config: OmniConfig, supervisor: Supervisor, **process: Any) -> web
 
 
 async def serve(
-    config: OmniConfig, supervisor: Supervisor, progress: Callable[[str], None]
+    config: OmniConfig,
+    supervisor: Supervisor,
+    progress: Callable[[str], None],
+    member: ClusterMember | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then close every call (and stop the other gateway
-    processes)."""
+    processes). `member`: this host's place among a cluster's gateway hosts."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with gateway_processes(config, supervisor, progress) as (base, _):
+    async with gateway_processes(config, supervisor, progress, member=member) as (base, _):
         processes = config.gateway.processes
         progress(
             f"gateway listening on {base}"
@@ -66,11 +70,13 @@ async def gateway_processes(
     supervisor: Supervisor,
     progress: Callable[[str], None],
     on_app: Callable[[web.Application], None] | None = None,
+    member: ClusterMember | None = None,
 ) -> AsyncIterator[tuple[str, web.Application]]:
     """The gateway served in this process and, with `gateway.processes` > 1, in that many
     processes in all on the same port; yields (base URL, this process's app). `on_app` sees
-    the app before it starts (loadtest.gpu_run taps it). Afterwards every call is closed and
-    the other processes are stopped."""
+    the app before it starts (loadtest.gpu_run taps it); `member` makes every process one of
+    a cluster's gateway hosts (gateway.hosts). Afterwards every call is closed and the other
+    processes are stopped."""
     processes = config.gateway.processes
     if len(supervisor.names.gateways) != processes:
         raise ValueError(
@@ -81,7 +87,12 @@ async def gateway_processes(
     signing_key = secrets.token_bytes(32)
     with owned_temporary("omni-gateway-") as socket_dir:
         app = build_app(
-            config, supervisor, instance=GATEWAY, socket_dir=socket_dir, signing_key=signing_key
+            config,
+            supervisor,
+            instance=GATEWAY,
+            socket_dir=socket_dir,
+            signing_key=signing_key,
+            member=member,
         )
         if on_app is not None:
             on_app(app)
@@ -93,6 +104,8 @@ async def gateway_processes(
             host = config.gateway.host
             await web.TCPSite(runner, host, config.gateway.port, reuse_port=processes > 1).start()
             port = runner.addresses[0][1]  # the one bound, when the config says 0
+            if member is not None:
+                app[GATEWAY_KEY].public_url = f"http://{member.address}:{port}"
             if processes > 1:
                 await web.UnixSite(runner, str(socket_path(socket_dir, GATEWAY))).start()
                 bound = config.model_copy(
@@ -108,6 +121,7 @@ async def gateway_processes(
                         str(socket_dir),
                         signing_key,
                         logging.getLogger().level,
+                        member,
                     )
 
                 pool = GatewayPool(supervisor, spec_for, progress)

@@ -28,21 +28,30 @@ logger = logging.getLogger(__name__)
 
 FORWARDED = "X-Omni-Forwarded-By"
 CLIENT_ADDRESS = "X-Omni-Client-Address"  # set by the sibling that forwards
-_CALL_TAG = re.compile(r"^[a-z]+_g(\d+)_")
+VOUCHED = web.RequestKey("vouched_client", str)  # the client address another host signed
+_CALL_TAG = re.compile(r"^[a-z]+_(?:h(\d+))?g(\d+)_")
 # what a forwarded request needs from the caller's headers, and its answer from the sibling's
-_REQUEST_HEADERS = ("Authorization", "Content-Type")
+REQUEST_HEADERS = ("Authorization", "Content-Type")
 _RESPONSE_HEADERS = ("Content-Type", "Location", "Retry-After")
 
 
-def call_id(prefix: str, gateway_index: int) -> str:
-    """A new call id that names the gateway process holding the call."""
-    return f"{prefix}_g{gateway_index}_{secrets.token_hex(8)}"
+def call_id(prefix: str, gateway_index: int, host: int | None = None) -> str:
+    """A new call id that names the gateway process holding the call, and in a cluster its
+    host (gateway.hosts)."""
+    on_host = "" if host is None else f"h{host}"
+    return f"{prefix}_{on_host}g{gateway_index}_{secrets.token_hex(8)}"
 
 
 def gateway_of_call(call_id: str) -> int | None:
     """The index of the gateway process a call id names, or None for an id it did not make."""
     match = _CALL_TAG.match(call_id)
-    return int(match.group(1)) if match else None
+    return int(match.group(2)) if match else None
+
+
+def host_of_call(call_id: str) -> int | None:
+    """The gateway host a call id names (None: made outside a cluster, or not by us)."""
+    match = _CALL_TAG.match(call_id)
+    return int(match.group(1)) if match and match.group(1) is not None else None
 
 
 def socket_path(socket_dir: str | Path, instance: str) -> Path:
@@ -52,11 +61,43 @@ def socket_path(socket_dir: str | Path, instance: str) -> Path:
 
 def client_address(request: web.Request) -> str | None:
     """The caller's address: the socket's peer, or for a request a sibling forwarded over
-    its Unix socket, the address that sibling saw (a TCP peer cannot claim one)."""
+    its Unix socket, the address that sibling saw (a TCP peer cannot claim one), or for a
+    request another host forwarded, the one its signature vouches for (gateway.hosts)."""
+    if VOUCHED in request:
+        return request[VOUCHED] or None
     peer = request.transport.get_extra_info("peername") if request.transport else None
     if isinstance(peer, tuple):  # (host, port, ...): TCP
         return str(peer[0])
     return request.headers.get(CLIENT_ADDRESS) if FORWARDED in request.headers else None
+
+
+async def pass_on(
+    client: aiohttp.ClientSession,
+    request: web.Request,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    unreachable: str,
+) -> web.Response:
+    """`request` sent on to `url` with `body` and `headers`; the answer as is, or a 503 with
+    Retry-After saying `unreachable` when nothing answers there."""
+    try:
+        async with client.request(
+            request.method,
+            url,
+            data=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=30),
+        ) as resp:
+            payload = await resp.read()
+            out = {h: resp.headers[h] for h in _RESPONSE_HEADERS if h in resp.headers}
+            return web.Response(status=resp.status, body=payload, headers=out)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        logger.warning("forwarding %s to %s failed: %s", request.path, url, exc)
+        error = {"message": unreachable, "type": "server_error", "code": "unavailable"}
+        return web.json_response(
+            {"error": error | {"param": None}}, status=503, headers={"Retry-After": "1"}
+        )
 
 
 class Siblings:
@@ -102,34 +143,22 @@ class Siblings:
         """Pass `request` (its body unread) to sibling `instance`; its answer is returned as
         is. A sibling that cannot be reached (restarting) gets a 503 with Retry-After."""
         body = await request.read()
-        headers = {h: request.headers[h] for h in _REQUEST_HEADERS if h in request.headers}
+        headers = {h: request.headers[h] for h in REQUEST_HEADERS if h in request.headers}
         headers[FORWARDED] = self.instance
-        if request.remote:
-            headers[CLIENT_ADDRESS] = request.remote
+        if client := client_address(request):
+            headers[CLIENT_ADDRESS] = client
         client = self._clients.get(instance)
         if client is None:
             connector = aiohttp.UnixConnector(path=str(socket_path(self.socket_dir, instance)))
             client = self._clients[instance] = aiohttp.ClientSession(connector=connector)
-        try:
-            async with client.request(
-                request.method,
-                f"http://{instance}{request.rel_url}",
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=30),
-            ) as resp:
-                payload = await resp.read()
-                out = {h: resp.headers[h] for h in _RESPONSE_HEADERS if h in resp.headers}
-                return web.Response(status=resp.status, body=payload, headers=out)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            logger.warning("forwarding %s to %s failed: %s", request.path, instance, exc)
-            error = {
-                "message": "the gateway process holding this request is restarting",
-                "type": "server_error",
-                "code": "unavailable",
-                "param": None,
-            }
-            return web.json_response({"error": error}, status=503, headers={"Retry-After": "1"})
+        return await pass_on(
+            client,
+            request,
+            f"http://{instance}{request.rel_url}",
+            body,
+            headers,
+            "the gateway process holding this request is restarting",
+        )
 
     async def close(self) -> None:
         for client in self._clients.values():

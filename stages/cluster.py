@@ -245,8 +245,8 @@ class ClusterSupervisor(Supervisor):
             progress(f"stage host {host.group}: node {host.address}")
         for host in self.hosts.values():
             self._bring_up(host, progress)
-        assert self.links is not None
         for host in self.hosts.values():
+            assert self.links is not None  # open_links() made them: a group crosses to here
             self.links.connect(host.endpoints)
 
     def _learn(self, host: _Host, ready: dict[str, Any]) -> None:

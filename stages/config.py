@@ -313,7 +313,21 @@ class ClusterConfig(Strict):
         "its ends of the links",
     )
     namespace: str = Field("omni-gateway", description="the Ray namespace of the stage hosts")
-    groups: dict[str, StageGroupConfig] = Field(min_length=1)
+    groups: dict[str, StageGroupConfig] = Field(
+        default_factory=dict, description="stages placed on other hosts, by group"
+    )
+    gateway_hosts: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="gateway hosts in all, this one included; the others are placed by Ray on "
+        "nodes advertising gateway_resources, each running the whole pipeline of this "
+        "configuration on its node, and calls are routed among them by their free slots",
+    )
+    gateway_resources: dict[str, float] = Field(
+        default_factory=lambda: {"gateway": 1.0},
+        description="what a node must advertise to carry one of the other gateway hosts",
+    )
     start_timeout_s: float = Field(
         300.0, gt=0, description="for a group's host to be placed and its stages ready"
     )
@@ -349,6 +363,16 @@ class ClusterConfig(Strict):
                     raise ValueError(f"{stage!r} is in cluster groups {seen[clash[0]]} and {name}")
                 seen[stage] = name
         return groups
+
+    @model_validator(mode="after")
+    def _places_something(self) -> ClusterConfig:
+        if not self.groups and self.gateway_hosts == 1:
+            raise ValueError(
+                "cluster: nothing to place: give stage groups, or gateway_hosts above 1"
+            )
+        if not self.gateway_resources:
+            raise ValueError("cluster.gateway_resources: at least one resource, e.g. gateway: 1")
+        return self
 
     @property
     def placement(self) -> dict[str, str]:

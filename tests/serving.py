@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -51,15 +52,17 @@ async def serving_gateway(
 
 
 @asynccontextmanager
-async def serving_gateway_alone(config: OmniConfig) -> AsyncIterator[tuple[str, web.Application]]:
+async def serving_gateway_alone(
+    config: OmniConfig, **process: Any
+) -> AsyncIterator[tuple[str, web.Application]]:
     """The gateway's app with no stages, on rings of its own: for what its HTTP endpoints
     answer (headers, auth, admission) without the seconds the stages take to start. A call
-    it takes connects, but nothing answers it."""
+    it takes connects, but nothing answers it. `process`: create_app's."""
     names = RingNames.fresh(wake_yield=config.rings.wake_yield)
     rings = RingSet(names, config)
     try:
         prepare_media(config)
-        app = create_app(config, names, 22050, lambda: True)
+        app = create_app(config, names, 22050, lambda: True, **process)
         async with serving(app) as base:
             yield base, app
     finally:

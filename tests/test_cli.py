@@ -107,6 +107,14 @@ def test_shipped_configs_are_valid(name: str) -> None:
             {"cluster": {"groups": {"b": {"stages": ["encoder"]}}}},
             "cluster.address: Field required",
         ),
+        (
+            {"cluster": {"address": "127.0.0.4:6379"}},
+            "nothing to place: give stage groups, or gateway_hosts above 1",
+        ),
+        (
+            {"cluster": {"address": "127.0.0.4:6379", "gateway_hosts": 0}},
+            "cluster.gateway_hosts: Input should be greater than or equal to 1",
+        ),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, changes: dict, expected: str) -> None:
