@@ -7,16 +7,20 @@
 vLLM-Omni 0.26.0 (its own package, installed apart: loadtest/gpu/pack.sh OMNI=1) serves
 Qwen2.5-Omni-7B's shapes with random weights (loadtest.omni_models; vLLM's dummy loader) as its
 three stages, thinker -> talker -> token2wav, all on GPU 0 with a deploy configuration written
-here from its own for that model. Callers send the question ours hears (loadtest.gpu_run's
+here from its own for that model (thinker and talker batched up to the largest load; token2wav
+one request at a time, as its own deploy has it: it decodes a batch's codes as one sequence). Callers send the question ours hears (loadtest.gpu_run's
 caller_speech, 16 kHz WAV) to its OpenAI-compatible /v1/chat/completions with streamed text
 and audio, `--requests` one after another each, at each load of concurrent callers.
 
 Per load: request to first audio byte p50/p95 (its counterpart of our end of speech to first
-audio: no VAD window, no network playout), request to first text, audio real-time factor
+audio: no VAD window, no network playout; without async_chunk, which this model's pipeline
+refuses, token2wav decodes a reply whole, so its first audio is its whole reply's time), request to first text, audio real-time factor
 (the time to the last audio byte over the audio's duration), requests completed, the GPU memory
 its processes hold. With random weights the talker never ends a reply on its own: each stage's
 tokens are capped (--reply-tokens for the thinker, --talker-tokens codec tokens, 50 a second
-of audio), so every reply is the same length.
+of audio), so every reply is the same length. A request that fails records the server's own words (an
+error inside the stream comes as a chunk of its own), and a load none of whose requests
+completed keeps the end of vLLM-Omni's log beside its figures.
 
 `--ours ARGS` then runs `python -m loadtest.gpu_run ARGS` in the same command, on the same GPU
 once vLLM-Omni has stopped, and puts its figures beside these, a row for each of its variants
@@ -80,7 +84,13 @@ def wav_bytes(pcm16: np.ndarray, rate: int) -> bytes:
 
 def read_chunk(reply: Reply, chunk: dict[str, Any], at_s: float) -> None:
     """Take one streamed chat-completion chunk. vLLM-Omni marks each with its modality; an
-    audio chunk's content is a whole WAV file, base64."""
+    audio chunk's content is a whole WAV file, base64. A failure after the stream began
+    comes as a chunk of its own, {"error": {...}}, before [DONE]."""
+    if "error" in chunk:
+        error = chunk["error"]
+        message = error.get("message", error) if isinstance(error, dict) else error
+        reply.error = f"server: {str(message)[:300]}"
+        return
     choices = chunk.get("choices") or []
     if not choices:
         return
@@ -125,6 +135,9 @@ def request_body(wav: bytes, reply_tokens: int, talker_tokens: int) -> dict[str,
 
 
 async def ask(session: Any, url: str, body: dict[str, Any]) -> Reply:
+    import aiohttp
+    from aiohttp.http_exceptions import HttpProcessingError
+
     reply = Reply()
     t0 = time.perf_counter()
     try:
@@ -137,7 +150,9 @@ async def ask(session: Any, url: str, body: dict[str, Any]) -> Reply:
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 read_chunk(reply, json.loads(line[6:]), time.perf_counter() - t0)
-    except (TimeoutError, OSError, ValueError) as exc:
+                if reply.error is not None:
+                    break
+    except (TimeoutError, OSError, ValueError, aiohttp.ClientError, HttpProcessingError) as exc:
         reply.error = f"{type(exc).__name__}: {exc}"
     if reply.error is None and reply.first_audio_s is None:
         reply.error = "no audio in the reply"
@@ -147,7 +162,9 @@ async def ask(session: Any, url: str, body: dict[str, Any]) -> Reply:
 async def load(url: str, callers: int, requests: int, body: dict[str, Any]) -> list[Reply]:
     import aiohttp
 
-    async with aiohttp.ClientSession() as session:
+    # an audio chunk is one SSE line holding a whole reply's WAV (non-async_chunk mode):
+    # 5 s of 24 kHz audio is ~320 KB of base64, past aiohttp's default line limit at ~8 s
+    async with aiohttp.ClientSession(read_bufsize=2**23) as session:
 
         async def caller() -> list[Reply]:
             return [await ask(session, url, body) for _ in range(requests)]
@@ -189,6 +206,9 @@ def deploy_config(max_seqs: int) -> str:
         | {
             "stage_id": 2,
             "gpu_memory_utilization": 0.15,
+            # token2wav decodes its batch's codes as one sequence and hands every request the
+            # whole of it; vLLM-Omni's own deploy runs it one request at a time
+            "max_num_seqs": 1,
             # token2wav runs in float32, as transformers' Qwen2.5-Omni runs it (`.float()`):
             # in the folder's bfloat16 its dummy run fails on a float32 time embedding
             "dtype": "float32",
@@ -263,6 +283,9 @@ class OmniServer:
             except (urllib.error.URLError, OSError):
                 time.sleep(2)  # polling a server's readiness: nothing to wait on but its port
         raise TimeoutError(f"vLLM-Omni not healthy within {STARTUP_S} s:\n{self.log_tail()}")
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -420,8 +443,14 @@ def main(argv: list[str] | None = None) -> int:
             for callers in args.loads:
                 log(f"vLLM-Omni: {callers} caller(s), {args.requests} request(s) each")
                 replies = asyncio.run(load(url, callers, args.requests, body))
-                results["vllm_omni"][callers] = figures(replies, gpu_memory_mib())
+                results["vllm_omni"][callers] = got = figures(replies, gpu_memory_mib())
+                log(f"vLLM-Omni: {callers} caller(s): {got['completed']} {got['errors'][:1]}")
+                if got["completed"].startswith("0/"):  # what failed is in its log
+                    got["log_tail"] = server.log_tail(120)
                 (args.out / "results.json").write_text(json.dumps(results, indent=2))
+                if not server.running():
+                    results["vllm_omni"]["stopped"] = {"error": "vLLM-Omni exited"}
+                    break
             results["vllm_omni_log_tail"] = server.log_tail()
     except (RuntimeError, TimeoutError) as exc:
         results["vllm_omni"]["start"] = {"error": str(exc)}

@@ -29,6 +29,8 @@ wait)
         # loadtest.omni_anchor's own run of ours, rewritten after each layout
         cp "$run"/ours/results.json "$OUT"/ours-results.json 2>/dev/null
         tail -c 8000000 "$run/run.log" > "$OUT/run.log"
+        # loadtest.omni_anchor's server log: what failed inside vLLM-Omni is only there
+        [ -f "$run/vllm-omni.log" ] && tail -c 8000000 "$run/vllm-omni.log" > "$OUT/vllm-omni.log"
     fi
     ;;
 esac

@@ -38,13 +38,22 @@ def test_audio_chunks_are_timed_and_measured_as_whole_wav_files() -> None:
     assert out["first_audio_ms"]["p50"] == 1500.0 and out["audio_rtf"]["p50"] == 1.25
 
 
+def test_a_failure_inside_the_stream_is_the_replys_error_in_the_servers_words() -> None:
+    reply = Reply()
+    read_chunk(reply, chunk("text", "Hel"), 0.1)
+    read_chunk(reply, {"error": {"message": "talker: index out of range", "code": 500}}, 0.3)
+    assert reply.error == "server: talker: index out of range"
+    assert figures([reply], None)["errors"] == [reply.error]
+
+
 def test_every_stage_is_on_gpu_0_with_dummy_weights_and_async_chunk_off() -> None:
     config = yaml.safe_load(deploy_config(8))
     assert config["async_chunk"] is False
     assert [s["stage_id"] for s in config["stages"]] == [0, 1, 2]
     assert {s["devices"] for s in config["stages"]} == {"0"}
     assert {s["load_format"] for s in config["stages"]} == {"dummy"}
-    assert {s["max_num_seqs"] for s in config["stages"]} == {8}
+    # token2wav one request at a time: it decodes a batch's codes as one sequence
+    assert [s["max_num_seqs"] for s in config["stages"]] == [8, 8, 1]
     assert sum(s["gpu_memory_utilization"] for s in config["stages"]) <= 0.9
 
 
