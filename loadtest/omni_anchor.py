@@ -118,9 +118,17 @@ def request_body(wav: bytes, reply_tokens: int, talker_tokens: int) -> dict[str,
         "modalities": ["text", "audio"],
         "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": audio}]}],
         # one entry a stage: thinker, talker, token2wav (a request's max_tokens reaches only
-        # the thinker). Fixed lengths: random weights end nothing on their own.
+        # the thinker), each as vLLM-Omni's deploy/qwen2_5_omni.yaml has it. Fixed lengths:
+        # random weights end nothing on their own. The talker needs its repetition penalty:
+        # without one vLLM keeps no prompt ids for it, which its forward rewrites.
         "sampling_params_list": [
-            {"temperature": 0.0, "max_tokens": reply_tokens, "ignore_eos": True},
+            {
+                "temperature": 0.0,
+                "max_tokens": reply_tokens,
+                "ignore_eos": True,
+                "seed": 42,
+                "repetition_penalty": 1.1,
+            },
             {
                 "temperature": 0.9,
                 "top_p": 0.8,
@@ -128,8 +136,10 @@ def request_body(wav: bytes, reply_tokens: int, talker_tokens: int) -> dict[str,
                 "max_tokens": talker_tokens,
                 "min_tokens": talker_tokens,
                 "stop_token_ids": [8294],
+                "seed": 42,
+                "repetition_penalty": 1.05,
             },
-            {"temperature": 0.0, "max_tokens": 2048},
+            {"temperature": 0.0, "max_tokens": 2048, "seed": 42, "repetition_penalty": 1.1},
         ],
     }
 

@@ -65,6 +65,8 @@ def test_a_request_caps_every_stage_and_carries_the_question() -> None:
     thinker, talker, _ = body["sampling_params_list"]
     assert thinker["max_tokens"] == 64 and thinker["ignore_eos"]
     assert talker["min_tokens"] == talker["max_tokens"] == 250
+    # vLLM keeps the talker's prompt ids (which its forward rewrites) only under a penalty
+    assert talker["repetition_penalty"] != 1.0
     assert body["stream"] and body["modalities"] == ["text", "audio"]
 
 
