@@ -8,19 +8,21 @@ vLLM-Omni 0.26.0 (its own package, installed apart: loadtest/gpu/pack.sh OMNI=1)
 Qwen2.5-Omni-7B's shapes with random weights (loadtest.omni_models; vLLM's dummy loader) as its
 three stages, thinker -> talker -> token2wav, all on GPU 0 with a deploy configuration written
 here from its own for that model (thinker and talker batched up to the largest load; token2wav
-one request at a time, as its own deploy has it: it decodes a batch's codes as one sequence). Callers send the question ours hears (loadtest.gpu_run's
-caller_speech, 16 kHz WAV) to its OpenAI-compatible /v1/chat/completions with streamed text
-and audio, `--requests` one after another each, at each load of concurrent callers.
+one request at a time, as its own deploy has it: it decodes a batch's codes as one sequence).
+Callers send the question ours hears (loadtest.gpu_run's caller_speech, 16 kHz WAV) to its
+OpenAI-compatible /v1/chat/completions with streamed text and audio, `--requests` one after
+another each, at each load of concurrent callers.
 
 Per load: request to first audio byte p50/p95 (its counterpart of our end of speech to first
 audio: no VAD window, no network playout; without async_chunk, which this model's pipeline
-refuses, token2wav decodes a reply whole, so its first audio is its whole reply's time), request to first text, audio real-time factor
-(the time to the last audio byte over the audio's duration), requests completed, the GPU memory
-its processes hold. With random weights the talker never ends a reply on its own: each stage's
-tokens are capped (--reply-tokens for the thinker, --talker-tokens codec tokens, 50 a second
-of audio), so every reply is the same length. A request that fails records the server's own words (an
-error inside the stream comes as a chunk of its own), and a load none of whose requests
-completed keeps the end of vLLM-Omni's log beside its figures.
+refuses, token2wav decodes a reply whole, so its first audio is its whole reply's time), request
+to first text, audio real-time factor (the time to the last audio byte over the audio's
+duration), requests completed, the GPU memory its processes hold. With random weights the talker
+never ends a reply on its own: each stage's tokens are capped (--reply-tokens for the thinker,
+--talker-tokens codec tokens, 50 a second of audio), so every reply is the same length. A
+request that fails records the server's own words (an error inside the stream comes as a chunk
+of its own), and a load none of whose requests completed keeps the end of vLLM-Omni's log beside
+its figures.
 
 `--ours ARGS` then runs `python -m loadtest.gpu_run ARGS` in the same command, on the same GPU
 once vLLM-Omni has stopped, and puts its figures beside these, a row for each of its variants
