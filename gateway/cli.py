@@ -151,9 +151,6 @@ def _start(args: argparse.Namespace, config: Any) -> int:
         from gateway.cluster import GatewayHosts
         from stages.cluster import ClusterSupervisor
 
-        supervisor: Supervisor = ClusterSupervisor(
-            config, cluster, log_level=log_level, gateways=gateways
-        )
         groups = ", ".join(f"{n}: {', '.join(g.stages)}" for n, g in cluster.groups.items())
         if groups:
             _progress(f"stages on the Ray cluster at {cluster.address}: {groups}")
@@ -163,6 +160,13 @@ def _start(args: argparse.Namespace, config: Any) -> int:
                 f"{cluster.gateway_hosts - 1} more gateway host(s) on the Ray cluster at "
                 f"{cluster.address}, on nodes with {cluster.gateway_resources}"
             )
+        supervisor: Supervisor = ClusterSupervisor(
+            config,
+            cluster,
+            log_level=log_level,
+            gateways=gateways,
+            place_also=hosts and hosts.place,  # they load while this host's stages do
+        )
     else:
         supervisor = Supervisor(config, log_level=log_level, gateways=gateways)
     try:
@@ -170,7 +174,7 @@ def _start(args: argparse.Namespace, config: Any) -> int:
         supervisor.start(progress=_progress)
         _progress("all stages ready")
         if hosts is not None:
-            hosts.start(_progress)
+            hosts.wait(_progress)
         asyncio.run(serve(config, supervisor, _progress, hosts and hosts.member))
     finally:
         if hosts is not None:

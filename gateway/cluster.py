@@ -201,8 +201,13 @@ class GatewayHosts:
         self.placed: list[_Placed] = []
 
     def start(self, progress: Progress) -> None:
-        """Place hosts 1.. and wait until each serves (Ray must be connected: the
-        ClusterSupervisor is started first)."""
+        """Place hosts 1.. and wait until each serves (Ray must be connected)."""
+        self.place()
+        self.wait(progress)
+
+    def place(self) -> None:
+        """Ask Ray for hosts 1.., without waiting for them (ClusterSupervisor's `place_also`:
+        they load their models while this host's stages load theirs)."""
         import ray
 
         try:
@@ -217,7 +222,16 @@ class GatewayHosts:
                     max_task_retries=0,
                 ).remote(self.asked | {"host": host})
                 self.placed.append(_Placed(host, actor, {}))
-            timeout = self.cluster.start_timeout_s
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait(self, progress: Progress) -> None:
+        """Wait until every placed host serves; StageStartError naming one that does not."""
+        import ray
+
+        timeout = self.cluster.start_timeout_s
+        try:
             for placed in self.placed:
                 try:
                     placed.ready = ray.get(placed.actor.ready.remote(), timeout=timeout)
@@ -227,6 +241,8 @@ class GatewayHosts:
                         f"not serving within {timeout:.0f} s: no node with "
                         f"{self.cluster.gateway_resources} is free",
                     ) from None
+                except ray.exceptions.RayActorError as exc:  # its start failed there
+                    raise StageStartError(f"gateway host {placed.host}", str(exc)) from None
                 progress(f"gateway host {placed.host}: {placed.ready['url']}")
         except BaseException:
             self.stop()

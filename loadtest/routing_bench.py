@@ -138,13 +138,13 @@ async def serve_and_measure(config: Any, calls: int) -> dict[str, Any]:
     from gateway.server import gateway_processes
     from stages.cluster import ClusterSupervisor
 
-    supervisor = ClusterSupervisor(config, config.cluster)
     hosts = GatewayHosts(config, config.cluster)
+    supervisor = ClusterSupervisor(config, config.cluster, place_also=hosts.place)
     loop = asyncio.get_running_loop()
     with supervisor:
-        await loop.run_in_executor(None, supervisor.start, log)
         try:
-            await loop.run_in_executor(None, hosts.start, log)
+            await loop.run_in_executor(None, supervisor.start, log)
+            await loop.run_in_executor(None, hosts.wait, log)
             async with gateway_processes(config, supervisor, log, member=hosts.member) as (
                 base,
                 _,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +152,10 @@ class ClusterSupervisor(Supervisor):
         gateways: int = 1,
         log_level: int = logging.INFO,
         on_restart: Any = None,
+        place_also: Callable[[], None] | None = None,
     ) -> None:
+        """`place_also`: called once Ray is connected and before any stage starts, to place
+        more on the cluster (gateway.cluster's gateway hosts) while they load."""
         names = RingNames.fresh(
             {"vocoder": config.vocoder.replicas, GATEWAY: gateways},
             wake_yield=config.rings.wake_yield,
@@ -166,6 +169,7 @@ class ClusterSupervisor(Supervisor):
             link_address=cluster.link_address,
         )
         self.cluster = cluster
+        self.place_also = place_also
         self.hosts: dict[str, _Host] = {}
         self._ray_connected_here = False
         self._host_watcher: threading.Thread | None = None
@@ -177,6 +181,8 @@ class ClusterSupervisor(Supervisor):
         try:
             self._connect_ray()
             self._check_resources()
+            if self.place_also is not None:
+                self.place_also()
             self.open_links()
             self._place(progress)
             super().start(progress)

@@ -55,17 +55,16 @@ def config(cluster: LoopbackCluster) -> OmniConfig:
 @pytest.fixture(scope="module")
 def driver(config: OmniConfig) -> Iterator[tuple[ClusterSupervisor, GatewayHosts]]:
     assert config.cluster is not None
-    supervisor = ClusterSupervisor(config, config.cluster)
     hosts = GatewayHosts(config, config.cluster)
+    supervisor = ClusterSupervisor(config, config.cluster, place_also=hosts.place)
     prefixes = {supervisor.names.prefix}
     with supervisor:
-        supervisor.start()
-        hosts.start(print)
         try:
+            supervisor.start()  # host 1 starts on its node meanwhile
+            hosts.wait(print)
             yield supervisor, hosts
         finally:
-            for placed in hosts.placed:
-                prefixes.add(placed.ready["prefix"])
+            prefixes |= {p.ready["prefix"] for p in hosts.placed if "prefix" in p.ready}
             hosts.stop()
     left = [s for s in list_segments() if any(p in s for p in prefixes)]
     assert not left, f"segments left behind: {left}"
