@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -144,6 +145,8 @@ def _start(args: argparse.Namespace, config: Any) -> int:
         export_headers(config.gateway.tracing)
     if config.gateway.opus == "opuslib":
         opuslib()
+    if config.cluster is not None:
+        _check_cluster_packages()
     log_level, gateways = logging.getLogger().level, config.gateway.processes
     cluster = config.cluster
     hosts = None
@@ -181,6 +184,15 @@ def _start(args: argparse.Namespace, config: Any) -> int:
             hosts.stop()
         supervisor.stop()
     return 0
+
+
+def _check_cluster_packages() -> None:
+    missing = [name for name in ("ray", "zmq") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            f"cluster: needs {' and '.join(missing)}, not installed here: "
+            "pip install 'omni-gateway[cluster]'"
+        )
 
 
 def cmd_say_file(args: argparse.Namespace) -> int:
