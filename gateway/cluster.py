@@ -22,6 +22,7 @@ from typing import Any
 
 from gateway.config import OmniConfig
 from gateway.hosts import ClusterMember
+from stages.cluster import check_advertised
 from stages.config import ClusterConfig
 from stages.supervisor import Progress, StageStartError
 
@@ -211,7 +212,8 @@ class GatewayHosts:
         import ray
 
         try:
-            self._check_resources()
+            wanted = set(self.cluster.gateway_resources)
+            check_advertised("gateway hosts", wanted, self.cluster.address)
             actor_class = ray.remote(GatewayHost)
             for host in range(1, self.cluster.gateway_hosts):
                 actor = actor_class.options(
@@ -247,20 +249,6 @@ class GatewayHosts:
         except BaseException:
             self.stop()
             raise
-
-    def _check_resources(self) -> None:
-        import ray
-
-        advertised: set[str] = set()
-        for node in ray.nodes():
-            if node["Alive"]:
-                advertised |= set(node["Resources"])
-        if missing := sorted(set(self.cluster.gateway_resources) - advertised):
-            raise StageStartError(
-                "gateway hosts",
-                f"no node of the Ray cluster at {self.cluster.address} advertises "
-                f"{', '.join(missing)} (ray start --resources)",
-            )
 
     def stop(self) -> None:
         """Stop every host (a dead one has nothing left to stop), then the exchange. Safe to

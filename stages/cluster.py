@@ -72,6 +72,23 @@ def from_request(asked: dict[str, Any]) -> tuple[PipelineConfig, RingNames]:
     return PipelineConfig(**asked["config"]), names
 
 
+def check_advertised(what: str, wanted: set[str], address: str) -> None:
+    """StageStartError naming `what` and the resources of `wanted` that no live node of the
+    cluster advertises: an actor asking for them would wait for ever."""
+    import ray
+
+    advertised: set[str] = set()
+    for node in ray.nodes():
+        if node["Alive"]:
+            advertised |= set(node["Resources"])
+    if missing := sorted(wanted - advertised):
+        raise StageStartError(
+            what,
+            f"no node of the Ray cluster at {address} advertises {', '.join(missing)} "
+            "(ray start --resources / --num-gpus)",
+        )
+
+
 class StageHost:
     """One group's host, as a Ray actor: its links are received on the node's address."""
 
@@ -208,20 +225,9 @@ class ClusterSupervisor(Supervisor):
 
     def _check_resources(self) -> None:
         """A group no node can take would wait for ever: say which, and what is missing."""
-        import ray
-
-        advertised: set[str] = set()
-        for node in ray.nodes():
-            if node["Alive"]:
-                advertised |= set(node["Resources"])
         for name, group in self.cluster.groups.items():
             wanted = set(group.resources) | ({"GPU"} if group.num_gpus else set())
-            if missing := sorted(wanted - advertised):
-                raise StageStartError(
-                    f"cluster group {name}",
-                    f"no node of the Ray cluster at {self.cluster.address} advertises "
-                    f"{', '.join(missing)} (ray start --resources / --num-gpus)",
-                )
+            check_advertised(f"cluster group {name}", wanted, self.cluster.address)
 
     def _place(self, progress: Progress) -> None:
         import ray
