@@ -114,6 +114,7 @@ class TalkerVoice:
         stream_frames: int,
         context_frames: int,
         lookahead_frames: int,
+        first_lookahead_frames: int,
         max_frames_per_char: float,
         min_frames: int,
         wait_ms: float,
@@ -131,6 +132,7 @@ class TalkerVoice:
         self._prompt_start, self._prompt_end = list(prompt_start), list(prompt_end)
         self.first_frames, self.stream_frames = first_frames, stream_frames
         self.context_frames, self.lookahead_frames = context_frames, lookahead_frames
+        self.first_lookahead_frames = first_lookahead_frames
         self._frames_per_char, self._min_frames = max_frames_per_char, min_frames
         self._wait_s = wait_ms / 1000
         self._chunk_ms = chunk_ms
@@ -287,8 +289,9 @@ class TalkerVoice:
         made = len(stream.codes) // TOKENS_PER_FRAME
         start = stream.emitted
         want = self.first_frames if start == 0 else self.stream_frames
-        if made - start >= want + self.lookahead_frames:
-            emit, end = want, start + want + self.lookahead_frames
+        ahead = self.first_lookahead_frames if start == 0 else self.lookahead_frames
+        if made - start >= want + ahead:
+            emit, end = want, start + want + ahead
         elif stream.finished and made > start:
             emit, end = made - start, made
         else:
@@ -322,7 +325,8 @@ class TalkerVoice:
         """The window sizes a phrase's blocks take before they reach the steady one."""
         sizes, start = [], 0
         for want in (self.first_frames, self.stream_frames, self.stream_frames):
-            sizes.append(min(start, self.context_frames) + want + self.lookahead_frames)
+            ahead = self.first_lookahead_frames if start == 0 else self.lookahead_frames
+            sizes.append(min(start, self.context_frames) + want + ahead)
             start += want
         return sorted(set(sizes))
 
@@ -385,6 +389,7 @@ _OPTIONS = (
     "stream_frames",
     "context_frames",
     "lookahead_frames",
+    "first_lookahead_frames",
     "max_frames_per_char",
     "min_frames",
     "wait_ms",
@@ -412,6 +417,7 @@ def load_talker(
     stream_frames: int = 4,
     context_frames: int = 1,
     lookahead_frames: int = 1,
+    first_lookahead_frames: int | None = None,
     max_frames_per_char: float = 2.0,
     min_frames: int = 4,
     wait_ms: float = 5.0,
@@ -431,19 +437,25 @@ def load_talker(
     The layout: ``audio_token_offset``, ``prompt_start``, ``prompt_end``,
     ``stop_token_ids``. Streaming: ``first_frames`` frames (85 ms each) in a phrase's first
     block, ``stream_frames`` in each later one, each with ``lookahead_frames`` decoded after it
-    and ``context_frames`` before. ``max_frames_per_char`` (at least ``min_frames``) bounds a
-    phrase's length. ``wait_ms``: how long `advance` waits for tokens when no stream has a
+    and ``context_frames`` before; ``first_lookahead_frames`` (default ``lookahead_frames``)
+    after the first block instead: 0 lets a phrase's first audio out a frame (7 tokens, one
+    talker step each) sooner, its last few ms decoded without what follows (0.6% rms from a
+    whole-phrase decode against 0.14%). ``max_frames_per_char`` (at least ``min_frames``)
+    bounds a phrase's length. ``wait_ms``: how long `advance` waits for tokens when no stream has a
     block. ``cuda_graphs``: replay the decoder's regular windows as CUDA graphs on a GPU.
     ``warmup``: decode (or record) every window size now, and speak a word; then, with
     ``warmup_streams`` above 1 (default: 64 on a GPU, 1 on the CPU), speak that many phrases at
     once, in growing groups (`TalkerVoice.warm_up_batches`).
     """
     reject_unknown_options("talker", unknown, _OPTIONS)
+    if first_lookahead_frames is None:
+        first_lookahead_frames = lookahead_frames
     for key, value, low in (
         ("first_frames", first_frames, 1),
         ("stream_frames", stream_frames, 1),
         ("context_frames", context_frames, 0),
         ("lookahead_frames", lookahead_frames, 0),
+        ("first_lookahead_frames", first_lookahead_frames, 0),
         ("min_frames", min_frames, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 64:
@@ -502,6 +514,7 @@ def load_talker(
         stream_frames=stream_frames,
         context_frames=context_frames,
         lookahead_frames=lookahead_frames,
+        first_lookahead_frames=first_lookahead_frames,
         max_frames_per_char=max_frames_per_char,
         min_frames=min_frames,
         wait_ms=wait_ms,

@@ -46,18 +46,21 @@ def test_layout_reads_orpheus_tokens_as_codes_of_their_position() -> None:
     assert frames.shape == (2, TOKENS_PER_FRAME)  # the partial third frame waits
 
 
-def test_streamed_windows_match_a_whole_decode(quiet_decoder: SnacDecoder) -> None:
+@pytest.mark.parametrize("first_ahead", [1, 0])
+def test_streamed_windows_match_a_whole_decode(quiet_decoder: SnacDecoder, first_ahead) -> None:
     frames = np.random.default_rng(0).integers(0, 4096, (20, TOKENS_PER_FRAME))
     (whole,) = quiet_decoder.decode([Window(frames, 0, len(frames))])
     assert len(whole) == 20 * quiet_decoder.frame_samples == 20 * 2048
 
     # the talker's defaults: 1 frame first, then 4, one frame of context and of lookahead
+    # (the first block's lookahead `first_ahead`: 0 is the talker's first_lookahead_frames 0,
+    # 0.6% rms here against 0.14%, the error in the first frame's last milliseconds)
     blocks, start = [], 0
     while start < len(frames):
         want = 1 if start == 0 else 4
         emit = min(want, len(frames) - start)
         first = max(0, start - 1)
-        end = min(len(frames), start + want + 1)
+        end = min(len(frames), start + want + (first_ahead if start == 0 else 1))
         blocks.append(Window(frames[first:end], start - first, emit))
         start += emit
     streamed = np.concatenate(quiet_decoder.decode(blocks))  # decoded as one batch per shape
@@ -69,7 +72,7 @@ def test_streamed_windows_match_a_whole_decode(quiet_decoder: SnacDecoder) -> No
     bare = np.concatenate(
         quiet_decoder.decode([Window(frames[i : i + 4], 0, 4) for i in range(0, 20, 4)])
     )
-    assert np.sqrt(np.mean((bare - whole) ** 2) / np.mean(whole**2)) > 3 * rms
+    assert np.sqrt(np.mean((bare - whole) ** 2) / np.mean(whole**2)) > 2 * rms
 
 
 def test_a_batch_decodes_each_window_as_alone(quiet_decoder: SnacDecoder) -> None:

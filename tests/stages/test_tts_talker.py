@@ -148,6 +148,28 @@ def test_warming_up_batches_speaks_every_group_to_its_end(voice: TalkerVoice) ->
     assert len(np.concatenate(list(voice.synthesize("Still here.")))) > 0
 
 
+def test_a_first_block_without_lookahead_goes_out_a_frame_sooner(voice: TalkerVoice) -> None:
+    """`first_lookahead_frames` 0: a phrase's first frame is decoded as soon as its 7 tokens
+    are in; with the default it waits for the next frame. Later blocks keep their lookahead."""
+    from stages.backends.tts_talker import TalkStream
+
+    frame = [voice.layout.offset + i * 4096 + 100 for i in range(TOKENS_PER_FRAME)]
+    stream = TalkStream("by-hand", lambda: False)
+    stream.tokens = list(frame)
+    assert voice.lookahead_frames == voice.first_lookahead_frames == 1
+    assert voice._window(stream) is None  # one frame made: the default waits for a second
+    voice.first_lookahead_frames = 0
+    try:
+        window = voice._window(stream)
+        assert window is not None and window.emit == 1 and len(window.frames) == 1
+        assert sorted(voice.window_sizes()) == [1, 6]  # no lookahead first; 1 + 4 + 1 later
+        stream.emitted = 1
+        stream.tokens += frame * 4  # four more frames: a later block still waits for its fifth
+        assert voice._window(stream) is None
+    finally:
+        voice.first_lookahead_frames = 1
+
+
 def test_bad_options_are_named(models) -> None:
     with pytest.raises(SpeechOptionError, match="unknown talker option 'frames'"):
         load_talker(*models, frames=2)
@@ -157,3 +179,5 @@ def test_bad_options_are_named(models) -> None:
         load_talker(*models, max_frames_per_char=100)
     with pytest.raises(SpeechOptionError, match="warmup_streams=0"):
         load_talker(*models, warmup_streams=0)
+    with pytest.raises(SpeechOptionError, match="first_lookahead_frames=-1"):
+        load_talker(*models, first_lookahead_frames=-1)
