@@ -3,6 +3,11 @@ words that make a sound over the agent an interruption, and semantic_vad's eager
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -123,3 +128,27 @@ def test_semantic_vad_decides_on_the_sound_and_the_words(
 def test_without_finished_words_the_sound_is_needed() -> None:
     with pytest.raises(ValueError, match="the sound decides"):
         decide(None, 0.1, False, Eagerness("medium"))
+
+
+def test_a_gateway_process_with_its_turn_models_runs_blas_on_one_thread() -> None:
+    """OpenBLAS's threads spin through an end-of-turn prediction on every core unless the
+    process keeps BLAS to one thread (gateway.turn_models); a fresh process, since the limit
+    holds for the whole process."""
+    script = (
+        "import json, numpy, threadpoolctl\n"
+        "from gateway.config import GatewayConfig\n"
+        "from gateway.turn_models import TurnModels\n"
+        "blas = lambda: [i['num_threads'] for i in threadpoolctl.threadpool_info()"
+        " if i['user_api'] == 'blas']\n"
+        "before = blas()\n"
+        "models = TurnModels(GatewayConfig())\n"
+        "print(json.dumps([before, blas(), models.end_of_turn is not None]))\n"
+    )
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}  # as on a 2-core machine
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    before, after, loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded and before and max(before) == 2
+    assert after and set(after) == {1}
