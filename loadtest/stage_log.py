@@ -10,9 +10,10 @@ line belongs to the load during which it was written; it covers the 10 s before 
 first line of a load may hold a few seconds of the one before. For each variant and load this
 prints, over its lines: vLLM's step times (p99 range, decoding only and finishing a prefill),
 each hop of a cancel in the reasoning stage (p99 range and max), how the aborts' freed blocks
-were seen, the vocoder's passes and its first audio after the first phrase, and Whisper's
-passes. The line formats are those of stages/passlog.py, stages/backends/llm_vllm.py and
-stages/reasoning.py; tests/loadtest/test_stage_log.py makes them with those classes.
+were seen, how the replies made at the caller's pause ended, the vocoder's passes and its first
+audio after the first phrase, and Whisper's passes. The line formats are those of
+stages/passlog.py, stages/backends/llm_vllm.py and stages/reasoning.py;
+tests/loadtest/test_stage_log.py makes them with those classes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ _VARIANT = re.compile(r"^layout (.+): \S+\.yaml$")
 _LOAD = re.compile(r"^(\d+) caller\(s\), \d+ turns each$")
 _ITL = re.compile(r"^inter-token latency, (\d+) replies at once$")
 _LOAD_END = re.compile(r"^(\d+) (callers|replies): ")
+# loadtest.turn_taking's: "POLICY:CLASSIFIER / TURN DETECTION: 8 caller(s), 27 clips each"
+_TURNS = re.compile(r"^(\S+ / \w+): (\d+) caller\(s\), \d+ clips each$")
+_TURNS_END = re.compile(r"^\S+ / \w+ \d+ callers: ")
 _STEPS = re.compile(
     rf"^vLLM steps in \d+ s, record to record: decoding only (\d+)(?:, p50 {_NUM} ms, "
     rf"p99 {_NUM} ms, max {_NUM} ms)?; finishing a prefill(?: \((\d+) prompt tokens a step\))? "
@@ -43,7 +47,8 @@ _STEPS = re.compile(
 _LATENCY = re.compile(
     rf"^(.+): (\d+) in \d+ s, p50 {_NUM} ms, p95 {_NUM} ms, p99 {_NUM} ms, max {_NUM} ms$"
 )
-_ABORTS = re.compile(r"^vLLM aborts in \d+ s, how their freed blocks were seen: (.+)$")
+# a CountLog's line: how often each outcome came (vLLM's aborts, replies made at the pause)
+_COUNTS = re.compile(r"^(.+) in \d+ s, ([^:]+): ((?:[\w ]+ \d+)(?:, [\w ]+ \d+)*)$")
 _PASSES = re.compile(
     rf"^(vocoder|whisper): (\d+) passes in \d+ s, {_NUM} \w+ a pass, {_NUM} ms a pass "
     rf"\(max {_NUM}\)"
@@ -81,7 +86,9 @@ class Load:
     """Everything the stages logged during one load of one variant."""
 
     spreads: dict[str, Spread] = field(default_factory=lambda: collections.defaultdict(Spread))
-    aborts: collections.Counter[str] = field(default_factory=collections.Counter)
+    counts: dict[str, collections.Counter[str]] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter)
+    )
     passes: dict[str, list[tuple[int, float, float]]] = field(
         default_factory=lambda: collections.defaultdict(list)
     )
@@ -96,10 +103,10 @@ class Load:
                 self.spreads["vLLM step, finishing a prefill"].add(
                     int(m[6]), float(m[7]), float(m[8]), float(m[9])
                 )
-        elif m := _ABORTS.match(text):
-            for part in m[1].split(", "):
-                how, _, count = part.rpartition(" ")
-                self.aborts[how] += int(count)
+        elif m := _COUNTS.match(text):
+            for part in m[3].split(", "):
+                outcome, _, count = part.rpartition(" ")
+                self.counts[f"{m[1]}, {m[2]}"][outcome] += int(count)
         elif m := _PASSES.match(text):
             self.passes[m[1]].append((int(m[2]), float(m[3]), float(m[4])))
         elif m := _LATENCY.match(text):
@@ -108,8 +115,8 @@ class Load:
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {what: s.report() for what, s in sorted(self.spreads.items())}
-        if self.aborts:
-            out["vLLM aborts, how their freed blocks were seen"] = dict(sorted(self.aborts.items()))
+        for what, counts in sorted(self.counts.items()):
+            out[what] = dict(sorted(counts.items()))
         for stage, lines in sorted(self.passes.items()):
             count = sum(n for n, _, _ in lines)
             out[f"{stage} passes"] = {
@@ -121,7 +128,8 @@ class Load:
 
 
 def gather(lines: Iterable[str]) -> dict[str, dict[str, Load]]:
-    """{variant: {load: Load}} from a gpu_run log; the load is "8 callers", "itl 8"."""
+    """{variant: {load: Load}} from a gpu_run log, the load "8 callers" or "itl 8"; or from
+    a turn_taking log, the variant "provisional:webrtc / semantic_vad"."""
     runs: dict[str, dict[str, Load]] = {}
     variant, load = "", None
     for line in lines:
@@ -134,7 +142,9 @@ def gather(lines: Iterable[str]) -> dict[str, dict[str, Load]]:
                 load = runs.setdefault(variant, {}).setdefault(f"{c[1]} callers", Load())
             elif i := _ITL.match(text):
                 load = runs.setdefault(variant, {}).setdefault(f"itl {i[1]}", Load())
-            elif _LOAD_END.match(text):
+            elif t := _TURNS.match(text):
+                load = runs.setdefault(t[1], {}).setdefault(f"{t[2]} callers", Load())
+            elif _LOAD_END.match(text) or _TURNS_END.match(text):
                 load = None
         elif (m := _STAGE.match(line)) and load is not None:
             load.take(m[4], m[5])

@@ -1,5 +1,5 @@
 """Periodic log lines on a batching model: its passes (how full they were and what they took),
-and latencies it adds (LatencyLog).
+latencies it adds (LatencyLog), and how often each outcome of something came (CountLog).
 
 A pass that takes longer than the work it does is worth (the audio a vocoder pass makes, the
 turn end a recognizer pass answers) means callers wait; this line is where that shows first.
@@ -7,6 +7,7 @@ turn end a recognizer pass answers) means callers wait; this line is where that 
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -88,6 +89,35 @@ class LatencyLog:
                 spread_ms(self.samples),
             )
             self.since, self.samples = now, []
+
+
+class CountLog:
+    """`add(outcome)` for every event; every `every_s`, one line with how many of each
+    outcome came since the last line: "`what` in N s, `how`: outcome n, ..."."""
+
+    def __init__(self, what: str, how: str, every_s: float = 10.0) -> None:
+        self.what, self.how, self.every_s = what, how, every_s
+        self.totals: collections.Counter[str] = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._since = time.monotonic()
+
+    def add(self, outcome: str) -> None:
+        with self._lock:
+            self.totals[outcome] += 1
+            self._counts[outcome] += 1
+            now = time.monotonic()
+            if now - self._since < self.every_s:
+                return
+            logger.info(
+                "%s in %.0f s, %s: %s",
+                self.what,
+                now - self._since,
+                self.how,
+                ", ".join(f"{how} {n}" for how, n in sorted(self._counts.items())),
+            )
+            self._counts.clear()
+            self._since = now
 
 
 class CancelHops:

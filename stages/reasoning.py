@@ -44,7 +44,7 @@ from stages.messages import (
     Transcript,
     Truncate,
 )
-from stages.passlog import CancelHops
+from stages.passlog import CancelHops, CountLog
 from stages.prepared import EarlyReply, HeldBack
 from stages.rings import GATEWAY, Ends
 from stages.stage import Stage
@@ -155,6 +155,9 @@ class ReasoningStage(Stage):
         self._loop: asyncio.AbstractEventLoop | None = None
         self.tasks = Tasks()
         self._cancel_hops = CancelHops()
+        # whether the replies made at the pause were the ones heard: a turn answered without
+        # one waited for its transcript, first tokens and first audio after it ended
+        self._prepared = CountLog("replies made at the pause", "how they ended")
         self._engine_failure: BaseException | None = None
         self._wake: asyncio.Event | None = None
         self._tool_template_found: tuple[str | None] | None = None
@@ -258,6 +261,7 @@ class ReasoningStage(Stage):
             if early is not None and stop.ends_prepared(early.turn_id, early.response.epoch):
                 state.early = None  # never released: never heard
                 self._drop_early(session, state, early)
+                self._prepared.add("caller_went_on")
             response = state.response
             if response is not None and stop.ends_reply(response.response_id, response.epoch):
                 if stop.unheard:
@@ -315,15 +319,20 @@ class ReasoningStage(Stage):
         if msg.speculative:
             if early is not None:
                 self._drop_early(session, state, early)
+                self._prepared.add("made_again")
             self._start_early(session, state, msg, epoch)
             return
         if early is not None:
             if msg.final and early.answers(msg.turn_id, msg.text):
                 self._release(session, early.response)  # the turn ended as it was at the pause
+                self._prepared.add("released")
                 return
             self._drop_early(session, state, early)
+            self._prepared.add("transcript_differed")
         state.conversation.add("user", msg.text)
         if msg.final and msg.text and msg.create_response:
+            if early is None:
+                self._prepared.add("turn_answered_without_one")
             options = ReplyOptions.of(state.settings)
             self._start(
                 session, state, f"resp_{session}_{msg.turn_id}", msg.turn_id, epoch, options
@@ -332,8 +341,11 @@ class ReasoningStage(Stage):
     # -- replies started early, at the caller's pause (stages.prepared) ----------------------
 
     def _start_early(self, session: int, state: SessionState, msg: Transcript, epoch: int) -> None:
-        if not (msg.text and msg.create_response) or state.response is not None:
-            return  # nothing to answer, or a reply still running that this must not stop
+        if not (msg.text and msg.create_response):
+            return  # nothing to answer
+        if state.response is not None:
+            self._prepared.add("not_made_reply_running")  # one this must not stop
+            return
         asked = state.conversation.add("user", msg.text)
         response_id = f"resp_{session}_{msg.turn_id}"
         options = ReplyOptions.of(state.settings)

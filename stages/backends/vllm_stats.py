@@ -5,19 +5,18 @@ ended (`AbortWaits`), and the engine's steps by kind (`StepLog`)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
 import time
 from typing import Any
 
-from stages.passlog import spread_ms
+from stages.passlog import CountLog, spread_ms
 
 logger = logging.getLogger(__name__)
 
 
-class AbortWaits:
+class AbortWaits(CountLog):
     """How each wait for an abort's freed KV blocks ended, as a log line every `every_s`.
 
     `freed_first_step`: the first stats record after the cancel showed less usage (or an empty
@@ -29,23 +28,7 @@ class AbortWaits:
     waited for a second step is one of `freed_later_step` and `hidden`."""
 
     def __init__(self, every_s: float = 10.0) -> None:
-        self.every_s = every_s
-        self.totals: collections.Counter[str] = collections.Counter()
-        self._counts: collections.Counter[str] = collections.Counter()
-        self._since = time.monotonic()
-
-    def add(self, how: str) -> None:
-        self.totals[how] += 1
-        self._counts[how] += 1
-        now = time.monotonic()
-        if now - self._since >= self.every_s:
-            logger.info(
-                "vLLM aborts in %.0f s, how their freed blocks were seen: %s",
-                now - self._since,
-                ", ".join(f"{how} {n}" for how, n in sorted(self._counts.items())),
-            )
-            self._counts.clear()
-            self._since = now
+        super().__init__("vLLM aborts", "how their freed blocks were seen", every_s)
 
 
 class StepLog:

@@ -11,7 +11,7 @@ import pytest
 
 from loadtest.stage_log import gather, table
 from stages.backends.vllm_stats import AbortWaits, StepLog
-from stages.passlog import CancelHops, LatencyLog, PassLog
+from stages.passlog import CancelHops, CountLog, LatencyLog, PassLog
 
 ROOT = Path(__file__).parents[2]
 
@@ -30,12 +30,16 @@ def _stage_lines(caplog: pytest.LogCaptureFixture) -> dict[str, str]:
     waits.add("freed_first_step")
     waits.add("hidden")
     waits.every_s = 0
+    prepared = CountLog("replies made at the pause", "how they ended", every_s=3600)
+    prepared.add("released")
+    prepared.every_s = 0
     passes = PassLog("vocoder", "replies", every_s=0)
     first_audio = LatencyLog("vocoder: first audio after the first phrase, other replies", 0)
     with caplog.at_level(logging.INFO):
         steps.add(0.022, busy=False, prompt_tokens=0)
         hops.add([0, 1_000_000, 3_000_000])  # pushed, read 1 ms later, abort sent 2 ms after
         waits.add("freed_later_step")
+        prepared.add("caller_went_on")
         passes.add(4, 0.060)
         first_audio.add(0.250)
     lines = {"reasoning": [], "vocoder": []}
@@ -78,11 +82,41 @@ def test_a_runs_stage_lines_are_gathered_by_variant_and_load(
         "freed_later_step": 1,
         "hidden": 1,
     }
+    prepared = report["replies made at the pause, how they ended"]
+    assert prepared == {"caller_went_on": 1, "released": 1}
     assert report["vocoder passes"] == {"passes": 1, "items_a_pass": 4.0, "ms_a_pass": 60.0}
     assert report["first audio after the first phrase, other replies"]["p99_ms"] == [250.0] * 2
     row = table({"v": {"8 callers": report}}).splitlines()[-1]
     assert row.startswith("| v | 8 callers | 5.0 / 12.0 | 1.0 / 2.0 / ")
     assert row.endswith("| 1 / 1 / 1 |  / 250.0 | 4.0, 60.0 |")  # no reply made at a pause
+
+
+def test_a_turn_taking_runs_stage_lines_are_gathered_by_turn_detection() -> None:
+    def stage(clock: str, text: str) -> str:
+        return f"2026-12-04 {clock},123 reasoning[42] INFO {text}"
+
+    counts = "replies made at the pause in 10 s, how they ended: "
+    log = [
+        "[12:00:00] provisional:webrtc: warm-up, 8 caller(s), one question each",
+        stage("12:00:04", counts + "released 8"),  # the warm-up: no load
+        "[12:00:05] provisional:webrtc / server_vad: 8 caller(s), 27 clips each",
+        stage("12:00:15", counts + "released 5, caller_went_on 2"),
+        '[12:02:40] provisional:webrtc / server_vad 8 callers: {"first_audio_ms": {}}',
+        "[12:02:40] provisional:webrtc / semantic_vad: 8 caller(s), 27 clips each",
+        stage("12:02:50", counts + "released 1, turn_answered_without_one 4"),
+    ]
+    runs = gather(log)
+    assert {v: list(loads) for v, loads in runs.items()} == {
+        "provisional:webrtc / server_vad": ["8 callers"],
+        "provisional:webrtc / semantic_vad": ["8 callers"],
+    }
+    key = "replies made at the pause, how they ended"
+    assert runs["provisional:webrtc / server_vad"]["8 callers"].report()[key] == {
+        "caller_went_on": 2,
+        "released": 5,
+    }
+    semantic = runs["provisional:webrtc / semantic_vad"]["8 callers"].report()[key]
+    assert semantic == {"released": 1, "turn_answered_without_one": 4}
 
 
 def test_the_command_names_a_log_without_a_run_in_it(tmp_path: Path) -> None:

@@ -132,6 +132,36 @@ def test_a_final_transcript_from_before_a_cancel_is_kept_not_answered() -> None:
     assert state.early is None
 
 
+def test_how_each_reply_made_at_the_pause_ended_is_counted() -> None:
+    """A turn ended as it was at the pause (released), one the caller went on with
+    (transcript differed), a pause made again, and a turn answered with none made."""
+    stage = Dispatching()
+    counted = stage._prepared.totals
+
+    def paused(turn: int, text: str) -> None:
+        stage.give("encoder", Kind.TRANSCRIPT, Transcript(turn, text, True, speculative=True))
+
+    def ended(turn: int, text: str) -> None:
+        stage.give("encoder", Kind.TRANSCRIPT, Transcript(turn, text, final=True))
+        stage.sessions[SESSION].response = None  # the reply done: the next turn is free
+
+    paused(1, "what time is it")
+    ended(1, "what time is it")
+    paused(2, "and in")
+    paused(2, "and in Paris")
+    ended(2, "and in Paris tomorrow")
+    ended(3, "thanks")
+    assert dict(counted) == {
+        "released": 1,
+        "made_again": 1,
+        "transcript_differed": 1,
+        "turn_answered_without_one": 1,
+    }
+    stage.sessions[SESSION].response = Response("resp_busy", "req-9", EPOCH)
+    paused(4, "hold on")  # a reply still running: none is made
+    assert counted["not_made_reply_running"] == 1
+
+
 def test_a_reply_stopped_unheard_leaves_no_trace_in_the_history() -> None:
     """It started while the caller spoke again: the gateway stops it without a cancel."""
     stage = Dispatching()
