@@ -44,6 +44,7 @@ import bisect
 import contextlib
 import datetime
 import json
+import math
 import multiprocessing as mp
 import sys
 import time
@@ -54,7 +55,14 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import add_set_argument, describe_machine, log, setting_overrides, summary
+from loadtest.gpu_run import (
+    CALLERS_PER_PROCESS,
+    add_set_argument,
+    describe_machine,
+    log,
+    setting_overrides,
+    summary,
+)
 
 ROOT = Path(__file__).parents[1]
 VOICES = ("piper", "espeak:en-us", "espeak:en-us+f3")
@@ -309,23 +317,47 @@ def _callers_process(
 
 
 async def _run_callers(
-    base: str, n: int, clips: list[Clip], turn_detection: str, opus: str = "opuslib"
-) -> Any:
+    base: str,
+    n: int,
+    clips: list[Clip],
+    turn_detection: str,
+    opus: str = "opuslib",
+    per_process: int = CALLERS_PER_PROCESS,
+) -> list[list[dict[str, Any]]]:
+    """Each caller's trials, the callers spread over processes of `per_process` (one event
+    loop carrying 32 WebRTC peers and their audio would add its own lag to what is
+    measured); a process that fails or sends nothing in time gives each of its callers one
+    trial saying so."""
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    args = (base, n, clips, turn_detection, opus, child)
-    proc = ctx.Process(target=_callers_process, args=args)
-    proc.start()
-    child.close()
+    procs = []
+    for i in range(math.ceil(n / per_process)):
+        k = min(per_process, n - i * per_process)
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_callers_process, args=(base, k, clips, turn_detection, opus, child)
+        )
+        proc.start()
+        child.close()
+        procs.append((proc, parent, k))
+    budget = 120 + 25 * len(clips)
+    deadline = time.monotonic() + budget  # one for all: the processes run at once
+    trials: list[list[dict[str, Any]]] = []
     try:
-        budget = 120 + 25 * len(clips)
-        if not await asyncio.to_thread(parent.poll, budget):
-            return {"error": f"the callers sent no report within {budget} s"}
-        return parent.recv()
+        for _, parent, k in procs:
+            left = max(0.0, deadline - time.monotonic())
+            report = parent.recv() if await asyncio.to_thread(parent.poll, left) else None
+            if isinstance(report, list):
+                trials.extend(report)
+                continue
+            why = report["error"] if report else f"the callers sent no report within {budget} s"
+            trials.extend([[{"kind": "callers_process", "error": why}] for _ in range(k)])
     finally:
-        await asyncio.to_thread(proc.join, 30)
-        if proc.is_alive():
-            proc.kill()
+        for proc, parent, _ in procs:
+            await asyncio.to_thread(proc.join, 30)
+            if proc.is_alive():
+                proc.kill()
+            parent.close()
+    return trials
 
 
 # -- the service's side --------------------------------------------------------------------
@@ -424,8 +456,8 @@ async def run_variant(
                 # each caller's first turn on a fresh service is slow (1.3-1.7 s on the H200,
                 # whatever the turn detection): one question each first, not counted
                 log(f"{variant}: warm-up, {callers} caller(s), one question each")
-                opus = config.gateway.opus
-                await _run_callers(base, callers, clips[:1], TURN_DETECTIONS[0], opus)
+                opus, per_process = config.gateway.opus, args.callers_per_process
+                await _run_callers(base, callers, clips[:1], TURN_DETECTIONS[0], opus, per_process)
                 for td in TURN_DETECTIONS:
                     log(f"{variant} / {td}: {callers} caller(s), {len(clips)} clips each")
                     metrics = gateway.metrics  # the first gateway process's
@@ -438,7 +470,7 @@ async def run_variant(
                         metrics.end_of_turn_probability,
                     ):
                         metric.clear()
-                    reports = await _run_callers(base, callers, clips, td, opus)
+                    reports = await _run_callers(base, callers, clips, td, opus, per_process)
                     measured(
                         f"{td} {callers}",
                         {
@@ -535,6 +567,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[1],
         help="calls at once, each the whole set; several loads as 1,8,32",
     )
+    parser.add_argument(
+        "--callers-per-process",
+        type=int,
+        default=CALLERS_PER_PROCESS,
+        help="WebRTC callers a load generator process carries",
+    )
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
     parser.add_argument(
         "--variants",
@@ -546,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(len(dimension) > 1 for dimension in args.set):
         parser.error("--set takes one value per key here: the variants are the policies")
+    if args.callers_per_process < 1:
+        parser.error(f"--callers-per-process {args.callers_per_process}: at least 1")
     if not args.callers or min(args.callers) < 1:
         parser.error(f"--callers {args.callers}: at least one load of at least 1 caller")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -577,9 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         def measured(
             key: str, r: dict[str, Any], by_td: dict[str, Any] = by_td, variant: str = variant
         ) -> None:
-            trials = r["trials"]
-            flat = [t for caller in trials for t in caller] if isinstance(trials, list) else []
-            r["figures"] = figures(flat) if flat else {"error": trials}
+            flat = [t for caller in r["trials"] for t in caller]
+            r["figures"] = figures(flat) if flat else {"error": "no trial"}
             by_td[key] = r
             (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
             log(f"{variant} / {key} callers: {json.dumps(r['figures'])}")

@@ -105,3 +105,18 @@ async def test_a_microphone_nobody_reads_is_a_call_whose_media_is_down(monkeypat
         await tt._clip_start(call, 0)
     with pytest.raises(tt.MediaDown):
         await tt._quiet(call)
+
+
+async def test_callers_are_spread_over_processes_and_a_failed_one_counts_for_each() -> None:
+    """Three callers in processes of two; nothing listens at the address, so each process
+    fails, and every one of its callers gets one trial that says why."""
+    import numpy as np
+
+    from loadtest.turn_taking import Clip, _run_callers
+
+    clip = Clip("question", "piper", "hello", np.zeros(4800, np.int16), 0.0, 0.1)
+    trials = await _run_callers("http://127.0.0.1:9", 3, [clip], "server_vad", per_process=2)
+    assert len(trials) == 3
+    assert all(len(t) == 1 and t[0]["kind"] == "callers_process" for t in trials)
+    assert all("Error" in t[0]["error"] for t in trials)  # the process's own traceback
+    assert figures([t for caller in trials for t in caller])["errors"] == 3
