@@ -33,7 +33,7 @@ _NUM = r"([0-9.]+)"
 _OWN = re.compile(r"^\[(\d\d):(\d\d):(\d\d)\] (.*)$")
 _STAGE = re.compile(r"^\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d),\d+ ([\w.]+)\[\d+\] \w+ (.*)$")
 _VARIANT = re.compile(r"^layout (.+): \S+\.yaml$")
-_LOAD = re.compile(r"^(\d+) caller\(s\), \d+ turns each$")
+_LOAD = re.compile(r"^(\d+) caller\(s\)(?: over (\w+))?, \d+ turns each$")
 _ITL = re.compile(r"^inter-token latency, (\d+) replies at once$")
 _LOAD_END = re.compile(r"^(\d+) (callers|replies): ")
 # loadtest.turn_taking's: "POLICY:CLASSIFIER / TURN DETECTION: 8 caller(s), 27 clips each"
@@ -139,7 +139,8 @@ def gather(lines: Iterable[str]) -> dict[str, dict[str, Load]]:
             if v := _VARIANT.match(text):
                 variant, load = v[1], None
             elif c := _LOAD.match(text):
-                load = runs.setdefault(variant, {}).setdefault(f"{c[1]} callers", Load())
+                over = f" over {c[2]}" if c[2] else ""  # the callers' transport, where named
+                load = runs.setdefault(variant, {}).setdefault(f"{c[1]} callers{over}", Load())
             elif i := _ITL.match(text):
                 load = runs.setdefault(variant, {}).setdefault(f"itl {i[1]}", Load())
             elif t := _TURNS.match(text):

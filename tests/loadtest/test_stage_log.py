@@ -57,7 +57,7 @@ def _run_log(caplog: pytest.LogCaptureFixture) -> list[str]:
 
     log = ["[12:00:00] layout one vocoder.batch=8: gpu-one.yaml"]
     log.append(stage("12:00:01", "reasoning", made["reasoning"][0]))  # warm-up: no load yet
-    log.append("[12:00:05] 8 caller(s), 10 turns each")
+    log.append("[12:00:05] 8 caller(s) over webrtc, 10 turns each")
     log += [stage("12:00:15", "reasoning", text) for text in made["reasoning"]]
     log += [stage("12:00:15", "vocoder.1", text) for text in made["vocoder"]]  # a replica
     log.append('[12:00:40] 8 callers: {"callers": 8}')
@@ -70,8 +70,8 @@ def test_a_runs_stage_lines_are_gathered_by_variant_and_load(
 ) -> None:
     runs = gather(_run_log(caplog))
     assert list(runs) == ["one vocoder.batch=8"]
-    assert list(runs["one vocoder.batch=8"]) == ["8 callers"]
-    report = runs["one vocoder.batch=8"]["8 callers"].report()
+    assert list(runs["one vocoder.batch=8"]) == ["8 callers over webrtc"]
+    report = runs["one vocoder.batch=8"]["8 callers over webrtc"].report()
     decoding = report["vLLM step, decoding only"]
     assert decoding["events"] == 2 and decoding["max_ms"] == pytest.approx(5.0)
     assert report["vLLM step, finishing a prefill"]["max_ms"] == pytest.approx(12.0)
