@@ -3,26 +3,28 @@ and interruption policy, side by side in one run.
 
     python -m loadtest.turn_taking [--config configs/offline.yaml] [--callers 1[,8,...]]
         [--limit N] [--variants immediate:webrtc,provisional:webrtc,provisional:silero]
-        [--set KEY=VALUE ...] [--out DIR]
+        [--set KEY=V1[,V2] ...] [--turn-detections server_vad,semantic_vad] [--out DIR]
     python -m loadtest.turn_taking --layout one --models-root /tmp/gpu-models --callers 8,32 ...
 
 `--layout` runs one of loadtest.gpu_run's layouts (gpu-one.yaml: random weights of real
 shapes, built under --models-root as gpu_run builds them) instead of a config file; --set
 changes it as there (e.g. the real Whisper tiny.en on the host's CPU, whose words the
-end-of-turn words model can judge).
+end-of-turn words model can judge), and a key given several values makes each a variant of
+each policy, named POLICY:CLASSIFIER+KEY=VALUE, on a service started afresh.
 
 A labelled set is made here with the project's voices (the Piper voice, two espeak-ng voices):
 finished questions; the same questions with a pause of 300 or 700 ms cut into them at a quiet
 point between words; and sounds made over the agent while it speaks: coughs, noise bursts,
 backchannels ("Mm hmm.", "Yeah.") and real interruptions. For each interruption policy
 (immediate, provisional) the stages and the gateway start on 127.0.0.1, and callers (real
-aiortc peers, real Opus, in a process of their own) play the set under server_vad and under
-semantic_vad. The variants are POLICY:CLASSIFIER, the VAD's classifier webrtcvad or Silero;
-replies are made long (200 tokens) so that the sounds fall inside them. All times are the
-caller's: end of speech is when the clip's last voiced sample left the caller, first audio
-when the agent's first voiced frame reached it. The callers receive as loadtest.conversation's
-do (gateway.aiortc_tuning: a one-frame jitter buffer, the gateway's Opus coder), and each asks
-one question first on the fresh service, not counted.
+aiortc peers, real Opus, 8 to a process of their own) play the set under server_vad and
+under semantic_vad (or one of them, --turn-detections). The variants are POLICY:CLASSIFIER,
+the VAD's classifier webrtcvad or Silero; replies are made long (200 tokens) so that the
+sounds fall inside them. All times are the caller's: end of speech is when the clip's last
+voiced sample left the caller, first audio when the agent's first voiced frame reached it. The
+callers receive as loadtest.conversation's do (gateway.aiortc_tuning: a one-frame jitter
+buffer, the gateway's Opus coder), and each asks one question first on the fresh service, not
+counted.
 
 Reported per variant: end of speech to first agent audio p50/p95 for the questions, and to
 the turn being called over (input_audio_buffer.speech_stopped reaching the caller), the part of
@@ -43,6 +45,7 @@ import asyncio
 import bisect
 import contextlib
 import datetime
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -412,9 +415,10 @@ def _semantic_decisions(gateway: Any) -> dict[str, Any]:
     return out
 
 
-def variant_config(variant: str, args: Any) -> Any:
-    """The service's configuration for POLICY:CLASSIFIER: the config file's, or the GPU
-    layout's with its built models, replies made long enough for sounds to fall inside."""
+def variant_config(variant: str, args: Any, chosen: tuple[tuple[str, Any], ...] = ()) -> Any:
+    """The service's configuration for POLICY:CLASSIFIER and the `--set` values `chosen`: the
+    config file's, or the GPU layout's with its built models, replies made long enough for
+    sounds to fall inside."""
     from gateway.config import load_config
 
     policy, _, classifier = variant.partition(":")
@@ -424,7 +428,7 @@ def variant_config(variant: str, args: Any) -> Any:
         "gateway.voice_activity": classifier or "webrtc",
         "reasoning.sampling.max_tokens": 200,
         "reasoning.sampling.ignore_eos": True,
-        **setting_overrides([dimension[0] for dimension in args.set]),
+        **setting_overrides(chosen),
     }
     if args.layout is None:
         return load_config(args.config, settings)
@@ -441,25 +445,32 @@ def variant_config(variant: str, args: Any) -> Any:
 
 
 async def run_variant(
-    variant: str, clips: list[Clip], args: Any, measured: Callable[[str, dict], None]
+    variant: str,
+    clips: list[Clip],
+    args: Any,
+    measured: Callable[[str, dict], None],
+    chosen: tuple[tuple[str, Any], ...] = (),
+    name: str | None = None,
 ) -> None:
-    """Each turn detection at each load of `args.callers`, handed to `measured` as it is
-    done (so that a run cut short keeps what it measured)."""
+    """Each of `args.turn_detections` at each load of `args.callers`, handed to `measured` as
+    it is done (so that a run cut short keeps what it measured); `name`: the variant's in the
+    log, POLICY:CLASSIFIER with the `--set` values `chosen` it differs by."""
     from loadtest.gpu_run import tapped_gateway
     from stages.supervisor import Supervisor
 
-    config = variant_config(variant, args)
+    config = variant_config(variant, args, chosen)
+    shown = name or variant
     with Supervisor(config, gateways=config.gateway.processes) as supervisor:
         supervisor.start(progress=log)
         async with tapped_gateway(config, supervisor) as (base, gateway, _):
             for callers in args.callers:
                 # each caller's first turn on a fresh service is slow (1.3-1.7 s on the H200,
                 # whatever the turn detection): one question each first, not counted
-                log(f"{variant}: warm-up, {callers} caller(s), one question each")
+                log(f"{shown}: warm-up, {callers} caller(s), one question each")
                 opus, per_process = config.gateway.opus, args.callers_per_process
                 await _run_callers(base, callers, clips[:1], TURN_DETECTIONS[0], opus, per_process)
-                for td in TURN_DETECTIONS:
-                    log(f"{variant} / {td}: {callers} caller(s), {len(clips)} clips each")
+                for td in args.turn_detections:
+                    log(f"{shown} / {td}: {callers} caller(s), {len(clips)} clips each")
                     metrics = gateway.metrics  # the first gateway process's
                     for metric in (
                         metrics.loop_lag,
@@ -580,10 +591,16 @@ def main(argv: list[str] | None = None) -> int:
         help="POLICY:CLASSIFIER each (immediate or provisional; webrtc or silero)",
     )
     parser.add_argument("--out", type=Path, default=Path("out/turn-taking"))
-    add_set_argument(parser, "gateway.end_of_turn_pause_ms=150")
+    parser.add_argument(
+        "--turn-detections",
+        type=lambda text: [td for td in text.split(",") if td],
+        default=list(TURN_DETECTIONS),
+        help="which to run at each load and variant, of server_vad,semantic_vad",
+    )
+    add_set_argument(parser, "gateway.prepare_reply_ms=120,80")
     args = parser.parse_args(argv)
-    if any(len(dimension) > 1 for dimension in args.set):
-        parser.error("--set takes one value per key here: the variants are the policies")
+    if not args.turn_detections or set(args.turn_detections) - set(TURN_DETECTIONS):
+        parser.error(f"--turn-detections {args.turn_detections}: of {', '.join(TURN_DETECTIONS)}")
     if args.callers_per_process < 1:
         parser.error(f"--callers-per-process {args.callers_per_process}: at least 1")
     if not args.callers or min(args.callers) < 1:
@@ -611,19 +628,24 @@ def main(argv: list[str] | None = None) -> int:
         "clips": [c.label() for c in clips],
         "policies": {},
     }
-    for variant in args.variants.split(","):
-        by_td = results["policies"].setdefault(variant, {})
+    # every combination of the --set values is a variant of each policy, named by the keys
+    # that take more than one value (no spaces: stage_log reads the name back)
+    varied = {key for dimension in args.set if len(dimension) > 1 for key, _ in dimension}
+    combinations = list(itertools.product(*args.set))
+    for variant, chosen in itertools.product(args.variants.split(","), combinations):
+        name = variant + "".join(f"+{k}={v}" for k, v in chosen if k in varied)
+        by_td = results["policies"].setdefault(name, {})
 
         def measured(
-            key: str, r: dict[str, Any], by_td: dict[str, Any] = by_td, variant: str = variant
+            key: str, r: dict[str, Any], by_td: dict[str, Any] = by_td, name: str = name
         ) -> None:
             flat = [t for caller in r["trials"] for t in caller]
             r["figures"] = figures(flat) if flat else {"error": "no trial"}
             by_td[key] = r
             (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-            log(f"{variant} / {key} callers: {json.dumps(r['figures'])}")
+            log(f"{name} / {key} callers: {json.dumps(r['figures'])}")
 
-        asyncio.run(run_variant(variant, clips, args, measured))
+        asyncio.run(run_variant(variant, clips, args, measured, chosen, name))
     text = table(results)
     (args.out / "table.md").write_text(text + "\n")
     summary_json = {
