@@ -201,14 +201,10 @@ class GatewayHosts:
         }
         self.placed: list[_Placed] = []
 
-    def start(self, progress: Progress) -> None:
-        """Place hosts 1.. and wait until each serves (Ray must be connected)."""
-        self.place()
-        self.wait(progress)
-
     def place(self) -> None:
-        """Ask Ray for hosts 1.., without waiting for them (ClusterSupervisor's `place_also`:
-        they load their models while this host's stages load theirs)."""
+        """Ask Ray for hosts 1.., without waiting for them (Ray must be connected:
+        ClusterSupervisor's `place_also`, so they load their models while this host's stages
+        load theirs); `wait` then waits for them."""
         import ray
 
         try:
