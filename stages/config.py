@@ -395,6 +395,12 @@ class PipelineConfig(Strict):
         "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its processes); unset: all of them. An "
         "experiment: the caps make replies late (docs/gpu.md)",
     )
+    mps_low_priority: list[StageName] = Field(
+        default_factory=list,
+        description="under MPS, stages whose kernels the GPU schedules after the others' "
+        "(CUDA_MPS_CLIENT_PRIORITY=1 in their processes): a stage whose work can wait a step, "
+        "so that the reasoning engine's step, which a cancel waits for, is not held up by it",
+    )
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
     vocoder: VocoderConfig = Field(default_factory=VocoderConfig)
@@ -402,10 +408,11 @@ class PipelineConfig(Strict):
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
 
     @model_validator(mode="after")
-    def _thread_shares_need_mps(self) -> PipelineConfig:
-        if self.mps_thread_percent and self.gpu_sharing != "mps":
-            raise ValueError(
-                "mps_thread_percent is set but gpu_sharing is "
-                f"{self.gpu_sharing!r}: SM shares only apply under gpu_sharing: mps"
-            )
+    def _mps_settings_need_mps(self) -> PipelineConfig:
+        for name in ("mps_thread_percent", "mps_low_priority"):
+            if getattr(self, name) and self.gpu_sharing != "mps":
+                raise ValueError(
+                    f"{name} is set but gpu_sharing is {self.gpu_sharing!r}: it only applies "
+                    "under gpu_sharing: mps"
+                )
         return self

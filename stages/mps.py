@@ -34,14 +34,23 @@ _PR_SET_PDEATHSIG = 1
 PREFIX = "omni-mps-"  # then the owner's pid: a folder whose owner died is removed at next start
 
 
-def thread_share_env(percent: int | None) -> dict[str, str]:
-    """The environment that caps a client's kernels at `percent` of the GPU's SMs (None: no cap).
+def client_env(percent: int | None = None, low_priority: bool = False) -> dict[str, str]:
+    """The environment of one stage's MPS client processes.
 
-    A cap, not a reservation: the stages' caps may add up to more than 100. The idea was to
-    leave SMs free for Whisper's small kernels by capping the stages that keep the GPU busy; the
-    caps make replies seconds late instead (docs/benchmarks.md), so none is set by default.
+    `percent` caps its kernels at that share of the GPU's SMs (None: no cap). A cap, not a
+    reservation: the stages' caps may add up to more than 100. The idea was to leave SMs free
+    for Whisper's small kernels by capping the stages that keep the GPU busy; the caps make
+    replies seconds late instead (docs/benchmarks.md), so none is set by default.
+
+    `low_priority` makes it a below-normal client: the MPS server gives its streams a lower
+    priority than the normal clients', so the GPU schedules their waiting kernels first. A
+    hint for ordering, not preemption of kernels already running (NVIDIA's MPS documentation,
+    CUDA_MPS_CLIENT_PRIORITY).
     """
-    return {} if percent is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
+    env = {} if percent is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
+    if low_priority:
+        env["CUDA_MPS_CLIENT_PRIORITY"] = "1"
+    return env
 
 
 class MpsError(RuntimeError):

@@ -21,7 +21,7 @@ from typing import Any
 from shm import reap_stale
 from stages.config import PipelineConfig
 from stages.crossing import CrossingLinks, close_sessions, fail_served_sessions
-from stages.mps import MpsDaemon, thread_share_env
+from stages.mps import MpsDaemon, client_env
 from stages.placement import StagePlacement, plan, wants_gpus
 from stages.process_groups import StageGroups
 from stages.rings import GATEWAY, STAGES, RingNames, RingSet, role_of
@@ -152,11 +152,15 @@ class Supervisor:
             return
         self.mps = MpsDaemon.start()
         progress(f"gpu sharing: CUDA MPS (control daemon pid {self.mps.process.pid})")
-        shares = self.config.mps_thread_percent
+        shares, low = self.config.mps_thread_percent, self.config.mps_low_priority
         self.placements = {
-            role: replace(p, env={**p.env, **self.mps.env, **thread_share_env(shares.get(role))})
+            role: replace(
+                p, env={**p.env, **self.mps.env, **client_env(shares.get(role), role in low)}
+            )
             for role, p in self.placements.items()
         }
+        if low:
+            progress("MPS: " + ", ".join(low) + " scheduled below the other stages")
         if shares:
             progress(
                 "MPS SM caps: "

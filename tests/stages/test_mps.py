@@ -17,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from stages.config import PipelineConfig
-from stages.mps import MpsDaemon, MpsError, thread_share_env
+from stages.mps import MpsDaemon, MpsError, client_env
 
 # -f: the daemon (makes its control pipe, records its pid, waits for quit); no argument: the
 # client, which reads a command from stdin
@@ -124,13 +124,31 @@ def test_daemon_dies_with_a_killed_supervisor(control: Path, tmp_path: Path) -> 
 
 def test_thread_shares_cap_a_stage_only_under_mps() -> None:
     config = PipelineConfig(gpu_sharing="mps", mps_thread_percent={"vocoder": 40})
-    assert thread_share_env(config.mps_thread_percent.get("vocoder")) == {
+    assert client_env(config.mps_thread_percent.get("vocoder")) == {
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"
     }
-    assert thread_share_env(config.mps_thread_percent.get("encoder")) == {}
-    with pytest.raises(ValidationError, match="gpu_sharing is 'time-slice'"):
+    assert client_env(config.mps_thread_percent.get("encoder")) == {}
+    with pytest.raises(
+        ValidationError, match="mps_thread_percent is set but gpu_sharing is 'time-slice'"
+    ):
         PipelineConfig(mps_thread_percent={"vocoder": 40})
     with pytest.raises(ValidationError, match=r"mps_thread_percent\.vocoder"):
         PipelineConfig(gpu_sharing="mps", mps_thread_percent={"vocoder": 0})
     with pytest.raises(ValidationError, match=r"mps_thread_percent\.decoder"):
         PipelineConfig(gpu_sharing="mps", mps_thread_percent={"decoder": 40})
+
+
+def test_low_priority_stages_are_below_normal_clients_only_under_mps() -> None:
+    config = PipelineConfig(gpu_sharing="mps", mps_low_priority=["vocoder"])
+    assert client_env(None, "vocoder" in config.mps_low_priority) == {
+        "CUDA_MPS_CLIENT_PRIORITY": "1"
+    }
+    assert client_env(30, low_priority=True) == {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30",
+        "CUDA_MPS_CLIENT_PRIORITY": "1",
+    }
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in client_env(30)
+    with pytest.raises(ValidationError, match="mps_low_priority is set but gpu_sharing"):
+        PipelineConfig(mps_low_priority=["vocoder"])
+    with pytest.raises(ValidationError, match=r"mps_low_priority\.0"):
+        PipelineConfig(gpu_sharing="mps", mps_low_priority=["talker"])
