@@ -101,9 +101,9 @@ class GatewayMetrics:
         self.end_of_turn_decisions = Counter(
             "omni_end_of_turn_decisions",
             "semantic_vad at a pause: the turn ended at once (ended), left to the silence "
-            "window (window), held up to the eagerness's maximum wait (held), the caller "
-            "spoke again first (spoke_again), or the silence window ended the turn before the "
-            "decision came (after_the_turn)",
+            "window (window), held up to the eagerness's maximum wait (held), the caller's "
+            "voice came back first (spoke_again), or the silence window ended the turn before "
+            "the decision came (after_the_turn)",
             ["decision"],
             registry=r,
         )

@@ -235,15 +235,24 @@ class CallerTurns:
             self._voiced_ms += FRAME_MS
             if self.turn_id in self.provisional and self._voiced_ms >= self.confirm_ms:
                 self.listener.spoke_on(self.turn_id)
-        if self.semantic and self.vad.silence_ms >= self.end_of_turn_pause_ms:
+        if (
+            self.semantic
+            and self.vad.silence_ms >= self.end_of_turn_pause_ms
+            and not self.vad.voiced_run  # a voice onset may be the caller going on
+        ):
             self._ask_end_of_turn()
 
     # -- semantic_vad --------------------------------------------------------------------------
 
     def _ask_end_of_turn(self) -> None:
-        """Once a pause: does the turn so far sound finished? Answered off the loop."""
+        """Once a pause: does the turn so far sound finished? Answered off the loop.
+
+        Not for a provisional turn (a sound over the agent): nothing is answered before its
+        transcript settles it, so ending it sooner gains little, and it would cut an
+        interruption with pauses in it ("Wait, stop. What time is it?") into pieces, each
+        too short to count, between which the agent would play on."""
         pause = self.vad.speech_end_ms
-        if pause == self._asked_at or self.spawn is None:
+        if pause == self._asked_at or self.spawn is None or self.turn_id in self.provisional:
             return
         self._asked_at = pause
         audio = np.concatenate(list(self.turn_audio)[-(WINDOW_SAMPLES // FRAME_SAMPLES_16K) :])
@@ -304,6 +313,13 @@ class CallerTurns:
             return
         if turn_id != self.turn_id or (self.vad.in_speech and self.vad.speech_end_ms != pause):
             decisions.labels("spoke_again").inc()  # the pause was not the turn's end
+            return
+        if self.vad.in_speech and self.vad.voiced_run:
+            # the caller's voice is back, not yet long enough for the VAD to call it speech
+            # (onset_ms): ending the turn now would cut them off mid-sentence. Asked again
+            # at the next silent frame, should the voice turn out not to be speech.
+            decisions.labels("spoke_again").inc()
+            self._asked_at = -1
             return
         if not self.vad.in_speech:
             decisions.labels("after_the_turn").inc()  # the silence window ended it first

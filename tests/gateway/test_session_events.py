@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -356,23 +357,27 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
 class Overlapping(Bound):
     """A WebRTC-like session under the provisional policy whose agent is speaking."""
 
-    def __init__(self, min_speech_ms: int = 0) -> None:
+    def __init__(self, min_speech_ms: int = 0, turn_models: Any = None) -> None:
         from gateway.config import InterruptionConfig
+        from gateway.protocol import TurnDetection
         from stages.messages import ResponseStarted
 
         self.link, self.transport = RecordingLink(), RecordingTransport()
         self.transport.kind, self.transport.holds_audio = "webrtc", True
         self.metrics = GatewayMetrics()
         policy = InterruptionConfig(policy="provisional", min_speech_ms=min_speech_ms)
+        td = TurnDetection(type="semantic_vad" if turn_models else "server_vad")
         self.session = RealtimeSession(
             "sess_p",
             self.link,
             1,
             22050,
             self.metrics,
-            SessionConfig(voice="v"),
+            SessionConfig(voice="v", turn_detection=td),
             print,
             interruptions=policy,
+            turn_models=turn_models,
+            end_of_turn_pause_ms=120,
         )
         self.session.bind(self.transport)
         self.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", -1))
@@ -635,3 +640,117 @@ async def test_the_reply_after_the_calls_plays_after_their_words_and_a_barge_in_
     assert [c for c in link.calls if c[0] == "cancel"]
     assert not session.replies.created  # the follow-up the cancel purged is forgotten
     assert not session.replies.active()
+
+
+class HeldEndOfTurn:
+    """An end-of-turn model whose answers the test gives, when it chooses."""
+
+    def __init__(self) -> None:
+        self.asked: list[Any] = []
+
+    async def probability(self, audio: np.ndarray) -> tuple[float, float]:
+        answer = asyncio.get_running_loop().create_future()
+        self.asked.append(answer)
+        return await answer
+
+
+class SemanticModels:
+    """gateway.turn_models.TurnModels with webrtcvad and `end_of_turn`."""
+
+    def __init__(self, end_of_turn: HeldEndOfTurn) -> None:
+        self.end_of_turn = end_of_turn
+
+    def voice(self, threshold: float) -> Any:
+        from gateway.vad import WebrtcVoice
+
+        return WebrtcVoice(threshold)
+
+
+def _spoken_part(make_speech, text: str) -> np.ndarray:
+    pcm = make_speech(text).pcm16
+    voiced = np.flatnonzero(np.abs(pcm) > 500)
+    return pcm[voiced[0] : voiced[-1] + 1]
+
+
+async def test_semantic_vad_does_not_end_a_turn_when_the_caller_speaks_again(make_speech) -> None:
+    """An end-of-turn answer that comes as the caller's voice returns, before the VAD has
+    called it speech (onset_ms), does not end the turn: it would cut the caller off in the
+    middle of their sentence. The next pause can end it."""
+    from gateway.protocol import TurnDetection
+
+    model, metrics = HeldEndOfTurn(), GatewayMetrics()
+    link, transport = RecordingLink(), RecordingTransport()
+    session = RealtimeSession(
+        "sess_s",
+        link,
+        1,
+        22050,
+        metrics,
+        SessionConfig(voice="v", turn_detection=TurnDetection(type="semantic_vad")),
+        print,
+        turn_models=SemanticModels(model),
+        end_of_turn_pause_ms=120,
+    )
+    session.bind(transport)
+    vad = session.turns.vad
+
+    async def feed(pcm: np.ndarray, until_voiced: bool = False) -> int:
+        """Feed 20 ms frames, the session's tasks taking their turn after each, as on the
+        loop; with `until_voiced`, stop after the first voiced one. Samples fed."""
+        for start in range(0, len(pcm) - 319, 320):
+            session.feed_audio(pcm[start : start + 320])
+            await asyncio.sleep(0)
+            if until_voiced and vad.voiced_run:
+                return start + 320
+        return len(pcm)
+
+    async def answer(p: float) -> str:
+        """Give the pending question its answer; the decision it led to."""
+        counts = metrics.end_of_turn_decisions.collect()[0].samples
+        before = {s.labels["decision"]: s.value for s in counts if s.name.endswith("_total")}
+        model.asked[-1].set_result((p, 0.01))
+        for _ in range(100):  # bounded: the decision is a few steps of the loop away
+            await asyncio.sleep(0)
+            counts = metrics.end_of_turn_decisions.collect()[0].samples
+            after = {s.labels["decision"]: s.value for s in counts if s.name.endswith("_total")}
+            if after != before:
+                (decision,) = (d for d in after if after[d] != before.get(d, 0))
+                return decision
+        raise AssertionError("the end-of-turn answer led to no decision")
+
+    lead, gap = np.zeros(8000, np.int16), np.zeros(3200, np.int16)  # 0.5 s, then 200 ms
+    first, second = _spoken_part(make_speech, "wait"), _spoken_part(make_speech, "stop now")
+    await feed(np.concatenate([lead, first, gap]))
+    assert vad.in_speech and len(model.asked) == 1  # asked once, 120 ms into the pause
+    # the caller goes on: their voice is back for a frame, not yet speech to the VAD
+    fed = await feed(second, until_voiced=True)
+    assert vad.voiced_run > 0 and vad.silence_ms >= 200
+    assert await answer(0.99) == "spoke_again"  # "finished", as the voice came back
+    assert "speech_stopped" not in [name for name, _ in link.calls] and vad.in_speech
+    # the rest of the sentence, and a pause after it, which the next answer ends at once
+    await feed(np.concatenate([second[fed:], np.zeros(4000, np.int16)]))
+    assert len(model.asked) == 2 and vad.in_speech
+    assert await answer(0.99) == "ended"
+    assert [name for name, _ in link.calls].count("speech_stopped") == 1
+    await session.close("done")
+
+
+async def test_semantic_vad_leaves_a_sound_over_the_agent_to_the_silence_window(
+    make_speech,
+) -> None:
+    """A provisional turn is not put to the end-of-turn model: ended at a short pause, an
+    interruption with pauses in it ("Wait, stop. What time is it?") would be cut into
+    pieces, each too short to count, and the agent would play on between them."""
+    model = HeldEndOfTurn()
+    o = Overlapping(turn_models=SemanticModels(model))
+    gap = np.zeros(6400, np.int16)  # 400 ms: past the model's pause, inside the window
+    o.speak(np.concatenate([np.zeros(8000, np.int16), _spoken_part(make_speech, "wait"), gap]))
+    for _ in range(10):  # a question the session asked would be put to the model by now
+        await asyncio.sleep(0)
+    turn = o.session.turns.turn_id
+    assert turn in o.session.turns.provisional and o.session.turns.vad.in_speech
+    assert model.asked == [] and o.called("speech_stopped") == []
+    o.speak(np.zeros(3200, np.int16))  # the window, 500 ms, ends it
+    ((_, stopped, *_),) = o.called("speech_stopped")
+    assert stopped == turn and model.asked == []
+    await o.session.close("done")
