@@ -18,7 +18,9 @@ point between words; and sounds made over the agent while it speaks: coughs, noi
 backchannels ("Mm hmm.", "Yeah.") and real interruptions. For each interruption policy
 (immediate, provisional) the stages and the gateway start on 127.0.0.1, and callers (real
 aiortc peers, real Opus, 8 to a process of their own) play the set under server_vad and
-under semantic_vad (or one of them, --turn-detections). The variants are POLICY:CLASSIFIER,
+under semantic_vad (or one of them, --turn-detections), each caller in an order of its own
+from a start of its own within 2 s (`--in-step`: all in the same order at once, so that their
+turns end together). The variants are POLICY:CLASSIFIER,
 the VAD's classifier webrtcvad or Silero; replies are made long (200 tokens) so that the
 sounds fall inside them. All times are the caller's: end of speech is when the clip's last
 voiced sample left the caller, first audio when the agent's first voiced frame reached it. The
@@ -49,6 +51,7 @@ import itertools
 import json
 import math
 import multiprocessing as mp
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -85,6 +88,7 @@ SILENT_RUN = 10  # received frames of silence (200 ms) that say the agent stoppe
 MEDIA_STALL_S = 10.0  # a microphone not read for this long: the call's media is down
 VARIANTS = ("immediate:webrtc", "provisional:webrtc", "provisional:silero")  # policy:classifier
 TURN_DETECTIONS = ("server_vad", "semantic_vad")
+START_SPREAD_S = 2.0  # callers in their own order start within this of each other
 
 
 @dataclass
@@ -263,7 +267,9 @@ async def _over_the_agent(call: Any, clip: Clip) -> dict[str, Any]:
     }
 
 
-async def _caller(base: str, clips: list[Clip], turn_detection: str) -> list[dict[str, Any]]:
+async def _caller(
+    base: str, clips: list[Clip], turn_detection: str, wait_s: float = 0.0
+) -> list[dict[str, Any]]:
     from gateway.client import RealtimeCall
 
     call = await RealtimeCall.connect(base)
@@ -274,6 +280,7 @@ async def _caller(base: str, clips: list[Clip], turn_detection: str) -> list[dic
         update = {"audio": {"input": {"turn_detection": td}}}
         call.send({"type": "session.update", "session": update})
         await call.next_event("session.updated", timeout=10)
+        await asyncio.sleep(wait_s)  # where this caller starts (caller_order)
         down: str | None = None
         for clip in clips:
             trial = _question if clip.kind.startswith(("question", "paused")) else _over_the_agent
@@ -298,8 +305,29 @@ async def _caller(base: str, clips: list[Clip], turn_detection: str) -> list[dic
     return out
 
 
+def caller_order(clips: list[Clip], caller: int, in_step: bool) -> tuple[list[Clip], float]:
+    """The clips caller number `caller` plays, in order, and how long it waits before the
+    first. In step, every caller plays the set as it is, at once: their turns end together,
+    the worst case for the stages. Otherwise each plays it in an order of its own and starts
+    at a point of its own within START_SPREAD_S, as callers who do not know of each other
+    would; both are the same from one run to the next (seeded by the caller's number)."""
+    if in_step:
+        return list(clips), 0.0
+    rng = random.Random(caller)
+    order = list(clips)
+    rng.shuffle(order)
+    return order, rng.uniform(0.0, START_SPREAD_S)
+
+
 def _callers_process(
-    base: str, n: int, clips: list[Clip], turn_detection: str, opus: str, conn
+    base: str,
+    first: int,
+    n: int,
+    clips: list[Clip],
+    turn_detection: str,
+    opus: str,
+    in_step: bool,
+    conn,
 ) -> None:
     import traceback
 
@@ -307,7 +335,9 @@ def _callers_process(
     from gateway.ice import restrict_host_addresses
 
     async def run() -> list[list[dict[str, Any]]]:
-        return list(await asyncio.gather(*(_caller(base, clips, turn_detection) for _ in range(n))))
+        orders = [caller_order(clips, first + i, in_step) for i in range(n)]
+        callers = (_caller(base, order, turn_detection, wait_s) for order, wait_s in orders)
+        return list(await asyncio.gather(*callers))
 
     try:
         # the receive side as loadtest.conversation's callers have it (a jitter buffer of one
@@ -326,6 +356,7 @@ async def _run_callers(
     turn_detection: str,
     opus: str = "opuslib",
     per_process: int = CALLERS_PER_PROCESS,
+    in_step: bool = False,
 ) -> list[list[dict[str, Any]]]:
     """Each caller's trials, the callers spread over processes of `per_process` (one event
     loop carrying 32 WebRTC peers and their audio would add its own lag to what is
@@ -337,12 +368,13 @@ async def _run_callers(
         k = min(per_process, n - i * per_process)
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(
-            target=_callers_process, args=(base, k, clips, turn_detection, opus, child)
+            target=_callers_process,
+            args=(base, i * per_process, k, clips, turn_detection, opus, in_step, child),
         )
         proc.start()
         child.close()
         procs.append((proc, parent, k))
-    budget = 120 + 25 * len(clips)
+    budget = 120 + START_SPREAD_S + 25 * len(clips)
     deadline = time.monotonic() + budget  # one for all: the processes run at once
     trials: list[list[dict[str, Any]]] = []
     try:
@@ -468,7 +500,8 @@ async def run_variant(
                 # whatever the turn detection): one question each first, not counted
                 log(f"{shown}: warm-up, {callers} caller(s), one question each")
                 opus, per_process = config.gateway.opus, args.callers_per_process
-                await _run_callers(base, callers, clips[:1], TURN_DETECTIONS[0], opus, per_process)
+                warm_up, td0 = clips[:1], TURN_DETECTIONS[0]
+                await _run_callers(base, callers, warm_up, td0, opus, per_process, in_step=True)
                 for td in args.turn_detections:
                     log(f"{shown} / {td}: {callers} caller(s), {len(clips)} clips each")
                     metrics = gateway.metrics  # the first gateway process's
@@ -481,7 +514,9 @@ async def run_variant(
                         metrics.end_of_turn_probability,
                     ):
                         metric.clear()
-                    reports = await _run_callers(base, callers, clips, td, opus, per_process)
+                    reports = await _run_callers(
+                        base, callers, clips, td, opus, per_process, args.in_step
+                    )
                     measured(
                         f"{td} {callers}",
                         {
@@ -596,6 +631,13 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda text: [td for td in text.split(",") if td],
         default=list(TURN_DETECTIONS),
         help="which to run at each load and variant, of server_vad,semantic_vad",
+    )
+    parser.add_argument(
+        "--in-step",
+        action="store_true",
+        help="every caller plays the set in the same order at once, so that their turns end "
+        "together (the stages' worst case); by default each plays it in an order of its own, "
+        f"starting within {START_SPREAD_S:g} s of the others",
     )
     add_set_argument(parser, "gateway.prepare_reply_ms=120,80")
     args = parser.parse_args(argv)

@@ -3,6 +3,7 @@ and the turn's end is reported beside the first audio."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from loadtest.turn_taking import figures, table
@@ -120,3 +121,17 @@ async def test_callers_are_spread_over_processes_and_a_failed_one_counts_for_eac
     assert all(len(t) == 1 and t[0]["kind"] == "callers_process" for t in trials)
     assert all("Error" in t[0]["error"] for t in trials)  # the process's own traceback
     assert figures([t for caller in trials for t in caller])["errors"] == 3
+
+
+def test_callers_play_the_set_in_orders_of_their_own_unless_in_step() -> None:
+    from loadtest.turn_taking import START_SPREAD_S, Clip, caller_order
+
+    clips = [Clip("question", "v", f"q{i}", np.zeros(1, np.int16), 0.0, 0.0) for i in range(12)]
+    orders = [caller_order(clips, caller, in_step=False) for caller in range(8)]
+    texts = [tuple(c.text for c in order) for order, _ in orders]
+    assert all(sorted(t) == sorted(c.text for c in clips) for t in texts)  # the whole set
+    assert len(set(texts)) == 8  # each its own order
+    assert len({wait for _, wait in orders}) == 8
+    assert all(0 <= wait <= START_SPREAD_S for _, wait in orders)
+    assert caller_order(clips, 3, in_step=False)[0] == orders[3][0]  # the same next run
+    assert caller_order(clips, 3, in_step=True) == (clips, 0.0)
