@@ -26,7 +26,7 @@ from typing import Any
 
 from shm import reap_stale
 from stages.config import ClusterConfig, PipelineConfig
-from stages.rings import GATEWAY, LOCAL, RingNames
+from stages.rings import LOCAL, RingNames
 from stages.supervisor import Progress, StageStartError, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -173,10 +173,7 @@ class ClusterSupervisor(Supervisor):
     ) -> None:
         """`place_also`: called once Ray is connected and before any stage starts, to place
         more on the cluster (gateway.cluster's gateway hosts) while they load."""
-        names = RingNames.fresh(
-            {"vocoder": config.vocoder.replicas, GATEWAY: gateways},
-            wake_yield=config.rings.wake_yield,
-        ).placed(cluster.placement, LOCAL)
+        names = RingNames.of(config, gateways).placed(cluster.placement, LOCAL)
         super().__init__(
             config,
             log_level=log_level,

@@ -178,6 +178,14 @@ class ReasoningConfig(Strict):
         None,
         description=GPUS_DESCRIPTION + "; as many as tensor_parallel_size x pipeline_parallel_size",
     )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="reasoning processes, each with a vLLM engine of its own on `gpus` and its "
+        "own gpu_memory_utilization share; each session is served by one. Fewer streams an "
+        "engine make shorter steps, and a cancel waits for the step in flight",
+    )
 
     @field_validator("gpus")
     @classmethod

@@ -154,11 +154,13 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
         )
     share = reasoning.engine_args.get("gpu_memory_utilization")
     for gpu in gpus:
-        used.setdefault(gpu, {})["reasoning"] = (share, 1)
+        used.setdefault(gpu, {})["reasoning"] = (share, reasoning.replicas)
     for gpu, stages in sorted(used.items()):
-        if "reasoning" not in stages or len(stages) == 1:
+        if "reasoning" not in stages or (len(stages) == 1 and reasoning.replicas == 1):
             continue
         others = ", ".join(s for s in stages if s != "reasoning")
+        if reasoning.replicas > 1:
+            others = ", ".join(filter(None, (f"{reasoning.replicas - 1} more engine(s)", others)))
         if share is None:
             raise PlacementError(
                 f"reasoning shares GPU {gpu} with {others}: set "

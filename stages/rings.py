@@ -67,6 +67,16 @@ class RingNames:
     host: str = ""  # the host whose segments these names are ("": the one host there is)
 
     @classmethod
+    def of(cls, config: PipelineConfig, gateways: int = 1) -> RingNames:
+        """Fresh names for `config`'s pipeline served by `gateways` gateway processes."""
+        replicas = {
+            "reasoning": config.reasoning.replicas,
+            "vocoder": config.vocoder.replicas,
+            GATEWAY: gateways,
+        }
+        return cls.fresh(replicas, wake_yield=config.rings.wake_yield)
+
+    @classmethod
     def fresh(
         cls, replicas: Mapping[str, int] | None = None, *, wake_yield: bool = False
     ) -> RingNames:

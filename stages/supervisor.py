@@ -24,7 +24,7 @@ from stages.crossing import CrossingLinks, close_sessions, fail_served_sessions
 from stages.mps import MpsDaemon, client_env
 from stages.placement import StagePlacement, plan, wants_gpus
 from stages.process_groups import StageGroups
-from stages.rings import GATEWAY, STAGES, RingNames, RingSet, role_of
+from stages.rings import STAGES, RingNames, RingSet, role_of
 from stages.stage_process import StageSpec, stage_main
 
 logger = logging.getLogger(__name__)
@@ -94,10 +94,7 @@ class Supervisor:
         other hosts are received on `link_address` (`open_links`, then `links.connect`)."""
         self.config = config
         self.log_level = log_level
-        self.names = names or RingNames.fresh(
-            {"vocoder": config.vocoder.replicas, GATEWAY: gateways},
-            wake_yield=config.rings.wake_yield,
-        )
+        self.names = names or RingNames.of(config, gateways)
         self.link_address = link_address
         self.rings: RingSet | None = None
         self.links: CrossingLinks | None = None

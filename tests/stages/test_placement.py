@@ -156,6 +156,16 @@ def test_the_gpus_present_are_counted_when_the_config_asks_for_gpus() -> None:
             1,
             r"GPU 0 is given out beyond its memory: vocoder 3 x 0.2 \+ reasoning 0.5 > 1.0",
         ),
+        (  # and each reasoning replica its engine's: 2 x 0.6 > 1, with no other stage there
+            config(reasoning={"replicas": 2, "engine_args": {"gpu_memory_utilization": 0.6}}),
+            1,
+            r"GPU 0 is given out beyond its memory: reasoning 2 x 0.6 > 1.0",
+        ),
+        (  # two engines on one GPU with vLLM's default share each
+            config(reasoning={"replicas": 2}),
+            1,
+            r"reasoning shares GPU 0 with 1 more engine\(s\): set reasoning.engine_args",
+        ),
     ],
 )
 def test_impossible_layouts_are_refused_naming_the_stage(

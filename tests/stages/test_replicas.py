@@ -1,5 +1,6 @@
-"""A stage role run as several processes: the vocoder with two replicas, real processes and
-rings, each session served by one replica and isolated from the other's failure."""
+"""A stage role run as several processes: reasoning and the vocoder with two replicas each,
+real processes (two vLLM engines) and rings, each session served by one replica of each and
+isolated from the other's failure."""
 
 from __future__ import annotations
 
@@ -59,6 +60,26 @@ def test_the_config_says_whether_every_producer_yields_to_the_consumer_it_wakes(
         rings.close()
 
 
+def test_every_replicated_role_takes_its_share_of_the_sessions() -> None:
+    config = load_config(TINY, {"reasoning.replicas": 2, "vocoder.replicas": 3})
+    names = RingNames.of(config, gateways=2)
+    assert names.stages == (
+        "encoder",
+        "reasoning",
+        "reasoning.1",
+        "vocoder",
+        "vocoder.1",
+        "vocoder.2",
+    )
+    # each gateway's sessions spread over both reasoning engines
+    for first in (0, 1):
+        owners = [names.instance_for("reasoning", s) for s in range(first, 8, 2)]
+        assert owners == ["reasoning", "reasoning.1"] * 2
+    links = set(names.links)
+    for engine in ("reasoning", "reasoning.1"):
+        assert {("encoder", engine), ("gateway.1", engine), (engine, "vocoder.2")} <= links
+
+
 def test_gateway_processes_own_strides_that_replicas_split() -> None:
     names = RingNames.fresh({"gateway": 2, "vocoder": 2})
     assert names.gateways == ("gateway", "gateway.1")
@@ -83,6 +104,7 @@ def config():
         TINY,
         {
             "vocoder.replicas": 2,
+            "reasoning.replicas": 2,
             "reasoning.sampling": {"max_tokens": 96, "ignore_eos": True},
             "vocoder.max_lead_ms": 600_000,
         },
@@ -91,7 +113,8 @@ def config():
 
 def two_sessions_on_different_replicas(link: PipelineLink) -> tuple[int, int]:
     a, b = link.open_session(), link.open_session()
-    assert {link.names.instance_for("vocoder", s) for s in (a, b)} == {"vocoder", "vocoder.1"}
+    for role in ("reasoning", "vocoder"):
+        assert {link.names.instance_for(role, s) for s in (a, b)} == {role, f"{role}.1"}
     return a, b
 
 
@@ -100,12 +123,14 @@ def two_sessions_on_different_replicas(link: PipelineLink) -> tuple[int, int]:
 def test_each_session_is_spoken_by_its_replica_and_cancelled_there(
     supervisor: Supervisor, link: PipelineLink, events: EventQueues
 ) -> None:
-    assert set(supervisor.stages) == {"encoder", "reasoning", "vocoder", "vocoder.1"}
+    assert set(supervisor.stages) == {"encoder", "reasoning", "reasoning.1", "vocoder", "vocoder.1"}
     a, b = two_sessions_on_different_replicas(link)
     try:
         for s in (a, b):
             link.create_response(s, f"resp-{s}", text="say something")
         for s in (a, b):
+            started = wait_for(events, s, Kind.RESPONSE_STARTED)
+            assert started.src == link.names.instance_for("reasoning", s)
             audio = wait_for(events, s, Kind.AUDIO_OUT)
             assert audio.src == link.names.instance_for("vocoder", s)
         for s in (a, b):
