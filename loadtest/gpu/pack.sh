@@ -6,7 +6,8 @@
 # not xz: on 2 busy cores xz -6 took over 20 minutes for 1.4 GB; gzip -1 takes about one and
 # makes 10 pieces instead of 6, each a few seconds to send.
 # Usage: loadtest/gpu/pack.sh OUT_DIR [CHUNK_MiB]   (OUT_DIR inside the checkout, ignored by git;
-# CHUNK_MiB = 64 minus the size of everything else sent with a piece, default 58).
+# CHUNK_MiB = 64 minus the size of everything else sent with a piece, the checkout itself
+# included (about 6 MiB): default 54).
 # PY312 names a CPython 3.12 (its headers) to build the extension for (default: python3.12).
 # BUNDLED names bundled models (stages/backends/bundled.py) fetched here to travel too, e.g.
 # BUNDLED="smart-turn-v3.2 silero-vad smollm2-135m-instruct whisper-tiny.en-transformers
@@ -15,7 +16,7 @@
 # /tmp/omnisite there, for loadtest.omni_anchor.
 set -euo pipefail
 out=${1:?usage: pack.sh OUT_DIR [CHUNK_MiB]}
-chunk=${2:-58}
+chunk=${2:-54}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 work=$(mktemp -d)
