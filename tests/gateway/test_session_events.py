@@ -646,7 +646,7 @@ class HeldEndOfTurn:
     """An end-of-turn model whose answers the test gives, when it chooses."""
 
     def __init__(self) -> None:
-        self.asked: list[Any] = []
+        self.asked: list[asyncio.Future[tuple[float, float]]] = []
 
     async def probability(self, audio: np.ndarray) -> tuple[float, float]:
         answer = asyncio.get_running_loop().create_future()
