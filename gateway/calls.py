@@ -246,6 +246,7 @@ class Gateway:
             prepare_reply_ms=gw.prepare_reply_ms,
             turn_models=models,
             end_of_turn_pause_ms=gw.end_of_turn_pause_ms,
+            end_of_turn_sure=gw.end_of_turn_sure,
             interruptions=gw.interruptions,
             tracing=self.tracing,
             tools=gw.tools,

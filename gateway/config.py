@@ -421,6 +421,14 @@ class GatewayConfig(Strict):
         description="semantic_vad: the caller's silence after which the end-of-turn model is "
         "asked whether their turn is over",
     )
+    end_of_turn_sure: float = Field(
+        0.95,
+        ge=0.5,
+        le=1.0,
+        description="semantic_vad: the end-of-turn model's probability from which the turn "
+        "ends without waiting for the encoder's judgement of the words (1.0: always wait). "
+        "Words that came first still decide",
+    )
     interruptions: InterruptionConfig = Field(default_factory=InterruptionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

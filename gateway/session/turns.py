@@ -119,8 +119,9 @@ class TurnListener(Protocol):
 class CallerTurns:
     """One session's caller audio and turns. `pause_ms`: silence inside a turn after which the
     stages start on the reply (gateway.prepare_reply_ms; 0: off). `end_of_turn`: the model
-    semantic_vad asks, after `end_of_turn_pause_ms` of silence; `spawn` runs its question
-    as one of the session's tasks. `confirm_ms`: voiced time that makes a provisional turn
+    semantic_vad asks, after `end_of_turn_pause_ms` of silence; from `end_of_turn_sure` its
+    answer does not wait for the words; `spawn` runs its question as one of the session's
+    tasks. `confirm_ms`: voiced time that makes a provisional turn
     an interruption. `spans`: the session's trace (gateway.session.spans)."""
 
     def __init__(
@@ -137,6 +138,7 @@ class CallerTurns:
         voice: Voice | None = None,
         end_of_turn: EndOfTurn | None = None,
         end_of_turn_pause_ms: int = 200,
+        end_of_turn_sure: float = 0.95,
         spawn: Callable[[Coroutine[Any, Any, None], str], Any] | None = None,
         confirm_ms: int = 1000,
         spans: Spans = NO_SPANS,
@@ -144,6 +146,7 @@ class CallerTurns:
         self.link, self.session, self.config = link, session, config
         self.outbox, self.items, self.listener, self.metrics = outbox, items, listener, metrics
         self.end_of_turn, self.end_of_turn_pause_ms = end_of_turn, end_of_turn_pause_ms
+        self.end_of_turn_sure = end_of_turn_sure
         self.spawn, self.confirm_ms, self.spans = spawn, confirm_ms, spans
         td = config.turn_detection or TurnDetection()
         self.vad = TurnDetector(
@@ -262,7 +265,10 @@ class CallerTurns:
         """Weigh how the turn sounds (the end-of-turn model) with how its words read (the
         encoder's judgement at the pause, when it has a words model): words that end a
         sentence end the turn as soon as they are in, without waiting for the sound; words
-        that stop mid-sentence never end it before the silence window."""
+        that stop mid-sentence never end it before the silence window. A sound that is sure
+        (`end_of_turn_sure`) does not wait for words still to come: on a voice like those
+        the model was trained on, a finished question scores 0.96-0.98 and the halves cut at a
+        pause at most 0.43, where the words come 100-350 ms later under load."""
         assert self.end_of_turn is not None
         asked = time.monotonic()
         sound: asyncio.Future[tuple[float, float]] | None = None
@@ -285,6 +291,10 @@ class CallerTurns:
         self.metrics.end_of_turn.observe(took_s)
         td = self.config.turn_detection
         if td is None or not td.semantic:
+            return
+        sure, pending = self.end_of_turn_sure, self._words.get((turn_id, pause))
+        if sure < 1.0 and p >= sure and pending is not None and not pending.done():
+            self._decide(turn_id, pause, p, None, False)  # sure: the words are not waited for
             return
         words, late = await self._words_at(turn_id, pause, td.silence_duration_ms)
         self._decide(turn_id, pause, p, words, late)

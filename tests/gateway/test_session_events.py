@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import numpy as np
@@ -672,67 +673,101 @@ def _spoken_part(make_speech, text: str) -> np.ndarray:
     return pcm[voiced[0] : voiced[-1] + 1]
 
 
+class SemanticCall:
+    """A session under semantic_vad whose end-of-turn model the test answers."""
+
+    def __init__(self, prepare_reply_ms: int = 0) -> None:
+        from gateway.protocol import TurnDetection
+
+        self.model, self.metrics = HeldEndOfTurn(), GatewayMetrics()
+        self.link = RecordingLink()
+        self.session = RealtimeSession(
+            "sess_s",
+            self.link,
+            1,
+            22050,
+            self.metrics,
+            SessionConfig(voice="v", turn_detection=TurnDetection(type="semantic_vad")),
+            print,
+            prepare_reply_ms=prepare_reply_ms,
+            turn_models=SemanticModels(self.model),
+            end_of_turn_pause_ms=120,
+        )
+        self.session.bind(RecordingTransport())
+        self.vad = self.session.turns.vad
+
+    async def feed(self, pcm: np.ndarray, until_voiced: bool = False) -> int:
+        """Feed 20 ms frames, the session's tasks taking their turn after each, as on the
+        loop; with `until_voiced`, stop after the first voiced one. Samples fed."""
+        for start in range(0, len(pcm) - 319, 320):
+            self.session.feed_audio(pcm[start : start + 320])
+            await asyncio.sleep(0)
+            if until_voiced and self.vad.voiced_run:
+                return start + 320
+        return len(pcm)
+
+    def _decisions(self) -> dict[str, float]:
+        samples = self.metrics.end_of_turn_decisions.collect()[0].samples
+        return {s.labels["decision"]: s.value for s in samples if s.name.endswith("_total")}
+
+    async def decision(self, answer: Any = None) -> str | None:
+        """Give the pending question `answer` (p, or a callable that answers otherwise); the
+        decision that followed, None if none did."""
+        before = self._decisions()
+        if callable(answer):
+            answer()
+        elif answer is not None:
+            self.model.asked[-1].set_result((answer, 0.01))
+        for _ in range(100):  # bounded: a decision is a few steps of the loop away
+            await asyncio.sleep(0)
+            after = self._decisions()
+            if after != before:
+                (decided,) = (d for d in after if after[d] != before.get(d, 0))
+                return decided
+        return None
+
+    def stopped(self) -> int:
+        return [name for name, _ in self.link.calls].count("speech_stopped")
+
+
 async def test_semantic_vad_does_not_end_a_turn_when_the_caller_speaks_again(make_speech) -> None:
     """An end-of-turn answer that comes as the caller's voice returns, before the VAD has
     called it speech (onset_ms), does not end the turn: it would cut the caller off in the
     middle of their sentence. The next pause can end it."""
-    from gateway.protocol import TurnDetection
-
-    model, metrics = HeldEndOfTurn(), GatewayMetrics()
-    link, transport = RecordingLink(), RecordingTransport()
-    session = RealtimeSession(
-        "sess_s",
-        link,
-        1,
-        22050,
-        metrics,
-        SessionConfig(voice="v", turn_detection=TurnDetection(type="semantic_vad")),
-        print,
-        turn_models=SemanticModels(model),
-        end_of_turn_pause_ms=120,
-    )
-    session.bind(transport)
-    vad = session.turns.vad
-
-    async def feed(pcm: np.ndarray, until_voiced: bool = False) -> int:
-        """Feed 20 ms frames, the session's tasks taking their turn after each, as on the
-        loop; with `until_voiced`, stop after the first voiced one. Samples fed."""
-        for start in range(0, len(pcm) - 319, 320):
-            session.feed_audio(pcm[start : start + 320])
-            await asyncio.sleep(0)
-            if until_voiced and vad.voiced_run:
-                return start + 320
-        return len(pcm)
-
-    async def answer(p: float) -> str:
-        """Give the pending question its answer; the decision it led to."""
-        counts = metrics.end_of_turn_decisions.collect()[0].samples
-        before = {s.labels["decision"]: s.value for s in counts if s.name.endswith("_total")}
-        model.asked[-1].set_result((p, 0.01))
-        for _ in range(100):  # bounded: the decision is a few steps of the loop away
-            await asyncio.sleep(0)
-            counts = metrics.end_of_turn_decisions.collect()[0].samples
-            after = {s.labels["decision"]: s.value for s in counts if s.name.endswith("_total")}
-            if after != before:
-                (decision,) = (d for d in after if after[d] != before.get(d, 0))
-                return decision
-        raise AssertionError("the end-of-turn answer led to no decision")
-
+    c = SemanticCall()
     lead, gap = np.zeros(8000, np.int16), np.zeros(3200, np.int16)  # 0.5 s, then 200 ms
     first, second = _spoken_part(make_speech, "wait"), _spoken_part(make_speech, "stop now")
-    await feed(np.concatenate([lead, first, gap]))
-    assert vad.in_speech and len(model.asked) == 1  # asked once, 120 ms into the pause
+    await c.feed(np.concatenate([lead, first, gap]))
+    assert c.vad.in_speech and len(c.model.asked) == 1  # asked once, 120 ms into the pause
     # the caller goes on: their voice is back for a frame, not yet speech to the VAD
-    fed = await feed(second, until_voiced=True)
-    assert vad.voiced_run > 0 and vad.silence_ms >= 200
-    assert await answer(0.99) == "spoke_again"  # "finished", as the voice came back
-    assert "speech_stopped" not in [name for name, _ in link.calls] and vad.in_speech
+    fed = await c.feed(second, until_voiced=True)
+    assert c.vad.voiced_run > 0 and c.vad.silence_ms >= 200
+    assert await c.decision(0.99) == "spoke_again"  # "finished", as the voice came back
+    assert c.stopped() == 0 and c.vad.in_speech
     # the rest of the sentence, and a pause after it, which the next answer ends at once
-    await feed(np.concatenate([second[fed:], np.zeros(4000, np.int16)]))
-    assert len(model.asked) == 2 and vad.in_speech
-    assert await answer(0.99) == "ended"
-    assert [name for name, _ in link.calls].count("speech_stopped") == 1
-    await session.close("done")
+    await c.feed(np.concatenate([second[fed:], np.zeros(4000, np.int16)]))
+    assert len(c.model.asked) == 2 and c.vad.in_speech
+    assert await c.decision(0.99) == "ended"
+    assert c.stopped() == 1
+    await c.session.close("done")
+
+
+async def test_a_sure_sound_does_not_wait_for_the_words(make_speech) -> None:
+    """With the words still to come (the encoder judges them on the transcript made at the
+    prepare pause), a sound model sure of the end (end_of_turn_sure, 0.95) ends the turn at
+    once; a less sure one waits for the words."""
+    speech = np.concatenate([np.zeros(8000, np.int16), _spoken_part(make_speech, "wait")])
+    for p, then in ((0.97, "ended"), (0.9, None)):
+        c = SemanticCall(prepare_reply_ms=80)
+        await c.feed(np.concatenate([speech, np.zeros(2800, np.int16)]))  # 175 ms of pause
+        assert [name for name, _ in c.link.calls].count("turn_paused") == 1  # words asked for
+        assert await c.decision(p) == then
+        assert c.stopped() == (then == "ended")
+        if then is None:  # the words come: a sentence's end, and the turn ends on both
+            words = functools.partial(c.session.turns.words_judged, c.session.turns.turn_id, 0.5)
+            assert await c.decision(words) == "ended"
+            assert c.stopped() == 1
+        await c.session.close("done")
 
 
 async def test_semantic_vad_leaves_a_sound_over_the_agent_to_the_silence_window(
