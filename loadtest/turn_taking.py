@@ -233,10 +233,25 @@ async def _question(call: Any, clip: Clip) -> dict[str, Any]:
     }
 
 
+async def _reply_started(call: Any) -> str:
+    """Ask the agent to speak; the id of its reply. On a loaded machine the answer to the
+    caller's last turn can start after `_quiet` gave up waiting for it: the server refuses the
+    ask then, and that answer is cancelled and the ask made again."""
+    for _ in range(3):
+        call.send({"type": "response.create"})
+        try:
+            created = await call.next_event("response.created", timeout=30)
+        except RuntimeError as exc:  # an error event
+            if "conversation_already_has_active_response" not in str(exc):
+                raise
+            await _quiet(call)
+            continue
+        return str(created["response"]["id"])
+    raise RuntimeError("a reply of the caller's last turn kept the agent busy")
+
+
 async def _over_the_agent(call: Any, clip: Clip) -> dict[str, Any]:
-    call.send({"type": "response.create"})
-    created = await call.next_event("response.created", timeout=30)
-    response_id = created["response"]["id"]
+    response_id = await _reply_started(call)
     deadline = time.monotonic() + 30
     while len(_voiced_frames(call, time.monotonic() - 0.1)) < 3:
         if time.monotonic() > deadline:

@@ -135,3 +135,44 @@ def test_callers_play_the_set_in_orders_of_their_own_unless_in_step() -> None:
     assert all(0 <= wait <= START_SPREAD_S for _, wait in orders)
     assert caller_order(clips, 3, in_step=False)[0] == orders[3][0]  # the same next run
     assert caller_order(clips, 3, in_step=True) == (clips, 0.0)
+
+
+async def test_an_ask_refused_for_a_reply_still_running_is_made_again() -> None:
+    """The answer to the caller's last turn can start after the benchmark stopped waiting for
+    it: the server refuses the next response.create, and the benchmark cancels that answer and
+    asks again rather than counting an error."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.client import RealtimeCall
+    from loadtest.turn_taking import _reply_started
+
+    class Server:
+        """Answers like the gateway: one reply still running, then none."""
+
+        microphone = SimpleNamespace(busy=False, queued_s=0.0)
+        next_event = RealtimeCall.next_event
+
+        def __init__(self) -> None:
+            self.events: asyncio.Queue = asyncio.Queue()
+            self.running, self.sent = True, []
+
+        def send(self, event: dict) -> None:
+            self.sent.append(event["type"])
+            if event["type"] == "response.cancel":
+                if self.running:  # the benchmark then waits 1.5 s for another to start
+                    done = {"id": "r1", "status": "cancelled"}
+                    self.events.put_nowait({"type": "response.done", "response": done})
+                else:
+                    code = "response_cancel_not_active"
+                    self.events.put_nowait({"type": "error", "error": {"code": code}})
+                self.running = False
+            elif self.running:
+                code = "conversation_already_has_active_response"
+                self.events.put_nowait({"type": "error", "error": {"code": code}})
+            else:
+                self.events.put_nowait({"type": "response.created", "response": {"id": "r2"}})
+
+    server = Server()
+    assert await _reply_started(server) == "r2"
+    assert server.sent == ["response.create", "response.cancel", "response.create"]
