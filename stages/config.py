@@ -183,7 +183,8 @@ class ReasoningConfig(Strict):
         ge=1,
         le=8,
         description="reasoning processes, each with a vLLM engine of its own on `gpus` and its "
-        "own gpu_memory_utilization share; each session is served by one. Fewer streams an "
+        "own gpu_memory_utilization share (and, where engine_args sets kv_cache_memory_bytes, "
+        "a KV cache of that size each); each session is served by one. Fewer streams an "
         "engine make shorter steps, and a cancel waits for the step in flight",
     )
 
