@@ -11,8 +11,11 @@ tensor-parallel workers inherit it).
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from stages.config import PipelineConfig
 
@@ -32,6 +35,11 @@ MULTICAST_OFF = {
 TALKER_ENGINE = "vocoder's talker engine"
 #: vLLM's default gpu_memory_utilization; too much when another stage shares its GPU.
 VLLM_DEFAULT_MEMORY_UTILIZATION = 0.9
+
+
+#: A GPU's total memory in bytes, by the supervisor's index of it and its environment; None
+#: where it cannot be read.
+GpuMemory = Callable[[int, Mapping[str, str]], "int | None"]
 
 
 class PlacementError(ValueError):
@@ -69,18 +77,35 @@ def count_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpu_memory(gpu: int, environ: Mapping[str, str]) -> int | None:
+    """GPU `gpu`'s total memory, from nvidia-smi: the supervisor opens no CUDA context of its
+    own, which would hold memory on the GPU for as long as it runs. nvidia-smi numbers GPUs in
+    bus order and CUDA fastest first: on a host whose GPUs differ in size, set
+    CUDA_DEVICE_ORDER=PCI_BUS_ID so that the two agree."""
+    ids = _visible_ids(environ)
+    ident = ids[gpu] if ids is not None and gpu < len(ids) else str(gpu)
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        done = subprocess.run([*query, "-i", ident], capture_output=True, text=True, timeout=10)
+        return int(float(done.stdout.split()[0]) * 2**20) if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def plan(
     config: PipelineConfig,
     gpu_count: int | None = None,
     environ: Mapping[str, str] | None = None,
     *,
     count: Callable[[], int] = count_gpus,
+    memory: GpuMemory = gpu_memory,
 ) -> dict[str, StagePlacement]:
     """Each stage's GPUs and environment, or PlacementError for a layout that cannot run here.
 
     `gpu_count`: GPUs the supervisor sees (counted with `count` when the config asks for GPUs
     and it is not given). `environ`: the supervisor's environment, whose CUDA_VISIBLE_DEVICES
-    (when set) maps our indices to the ids the driver knows.
+    (when set) maps our indices to the ids the driver knows. `memory`: a shared GPU's size,
+    asked for only where a vLLM engine on it sizes its KV cache in bytes.
     """
     environ = os.environ if environ is None else environ
     if gpu_count is None and wants_gpus(config):
@@ -92,7 +117,7 @@ def plan(
         "vocoder": config.vocoder.gpus,
     }
     if gpu_count is not None:
-        _check_layout(config, gpu_count, environ)
+        _check_layout(config, gpu_count, environ, memory)
     placements = {}
     for stage, gpus in layout.items():
         env = dict(MULTICAST_OFF)
@@ -111,12 +136,33 @@ def _visible_ids(environ: Mapping[str, str]) -> list[str] | None:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
-def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, str]) -> None:
+def engine_bytes(model: str | None, engine_args: Mapping[str, Any], parallel: int = 1) -> int:
+    """The least a vLLM engine that sizes its KV cache in bytes (`kv_cache_memory_bytes`)
+    holds on each of its GPUs: that cache and its part of the weights, as they lie in `model`
+    where it is a local folder (a hub id's are not known before they are fetched). vLLM then
+    sizes the cache from the bytes and not from gpu_memory_utilization. 0: not sized so."""
+    kv = engine_args.get("kv_cache_memory_bytes")
+    if kv is None:
+        return 0
+    weights = 0
+    folder = Path(model) if model else None
+    if folder is not None and folder.is_dir():
+        for pattern in ("*.safetensors", "*.bin", "*.pt"):
+            if files := list(folder.glob(pattern)):
+                weights = sum(f.stat().st_size for f in files)
+                break
+    return int(kv) + weights // parallel
+
+
+def _check_layout(
+    config: PipelineConfig, gpu_count: int, environ: Mapping[str, str], memory: GpuMemory
+) -> None:
     seen = f"{gpu_count} GPU(s) visible here"
     if "CUDA_VISIBLE_DEVICES" in environ:
         seen += f" (CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r})"
     # GPU -> stage -> (its memory share per process, its processes)
     used: dict[int, dict[str, tuple[float | None, int]]] = {}
+    held: dict[str, int] = {}  # vLLM engine -> bytes it holds whatever its share (engine_bytes)
     for stage, cfg in (("encoder", config.encoder), ("vocoder", config.vocoder)):
         if cfg.cuda_index is None:
             continue
@@ -138,6 +184,7 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
                     f"{VLLM_DEFAULT_MEMORY_UTILIZATION} leaves the other stages too little)"
                 )
             used[gpu][TALKER_ENGINE] = (share, processes)
+            held[TALKER_ENGINE] = engine_bytes(config.vocoder.model, engine_args)
     reasoning = config.reasoning
     if gpu_count == 0:
         if reasoning.gpus or reasoning.parallel_size > 1:
@@ -153,6 +200,9 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
             f" = {reasoning.parallel_size}) but there are {seen}: no GPU {missing}"
         )
     share = reasoning.engine_args.get("gpu_memory_utilization")
+    held["reasoning"] = engine_bytes(
+        reasoning.model, reasoning.engine_args, reasoning.parallel_size
+    )
     for gpu in gpus:
         used.setdefault(gpu, {})["reasoning"] = (share, reasoning.replicas)
     for gpu, stages in sorted(used.items()):
@@ -168,11 +218,29 @@ def _check_layout(config: PipelineConfig, gpu_count: int, environ: Mapping[str, 
                 f"{VLLM_DEFAULT_MEMORY_UTILIZATION} leaves them too little)"
             )
         shares = {s: (v, n) for s, (v, n) in stages.items() if v is not None}
+        why = []
+        sized = {s: held[s] for s in shares if held.get(s)}
+        total = memory(gpu, environ) if sized else None
+        for s, nbytes in sized.items():
+            if total and nbytes / total > shares[s][0]:
+                shares[s] = (round(nbytes / total, 2), shares[s][1])
+                why.append(f"{s} holds {_gib(nbytes)} an engine")
         if sum(v * n for v, n in shares.values()) > 1.0:  # each replica takes its own share
             parts = " + ".join(
                 f"{s} {v}" if n == 1 else f"{s} {n} x {v}" for s, (v, n) in shares.items()
             )
-            raise PlacementError(f"GPU {gpu} is given out beyond its memory: {parts} > 1.0")
+            of = (
+                f" (of the GPU's {_gib(total)}, " + ", ".join(why) + ": its KV cache, "
+                "kv_cache_memory_bytes, and its weights; vLLM sizes that cache whatever "
+                "gpu_memory_utilization says)"
+                if why and total
+                else ""
+            )
+            raise PlacementError(f"GPU {gpu} is given out beyond its memory: {parts} > 1.0{of}")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
 
 
 def apply_memory_share(device: str, fraction: float | None) -> None:

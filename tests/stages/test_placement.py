@@ -175,6 +175,51 @@ def test_impossible_layouts_are_refused_naming_the_stage(
         plan(layout, gpu_count=gpu_count, environ={})
 
 
+H100, H200 = int(79.18 * 2**30), int(139.8 * 2**30)  # total memory, as nvidia-smi gives it
+
+
+def talker_layout(tmp_path: Path, replicas: int, share: float) -> PipelineConfig:
+    """gpu-talker.yaml with `replicas` reasoning engines of `share` each, its models folders
+    of weights of their real sizes (sparse files: nothing is written)."""
+    layout = load_config(CONFIGS / "gpu-talker.yaml")
+    for name, size in (("chat", 15_231_233_024), ("talker", 6_602_104_832)):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "model.safetensors", "wb") as weights:
+            weights.truncate(size)
+    reasoning = layout.reasoning.model_copy(
+        update={
+            "model": str(tmp_path / "chat"),
+            "replicas": replicas,
+            "engine_args": layout.reasoning.engine_args | {"gpu_memory_utilization": share},
+        }
+    )
+    vocoder = layout.vocoder.model_copy(update={"model": str(tmp_path / "talker")})
+    return layout.model_copy(update={"reasoning": reasoning, "vocoder": vocoder})
+
+
+def test_engines_that_size_their_kv_cache_in_bytes_are_counted_by_what_they_hold(
+    tmp_path: Path,
+) -> None:
+    """vLLM sizes a KV cache given in bytes (kv_cache_memory_bytes) from them, whatever
+    gpu_memory_utilization says: on an H100 two of gpu-talker's engines took 29.7 GB each at
+    0.3 and left the talker's engine no room. Counted by their cache and weights, they are
+    refused before anything starts; one engine fits, and two fit an H200."""
+    two = talker_layout(tmp_path, replicas=2, share=0.3)
+    with pytest.raises(PlacementError) as refused:
+        plan(two, gpu_count=1, environ={}, memory=lambda gpu, env: H100)
+    assert "reasoning 2 x 0.38" in str(refused.value)
+    assert "of the GPU's 79.2 GiB, reasoning holds 30.2 GiB an engine: its KV cache" in str(
+        refused.value
+    )
+    plan(two, gpu_count=1, environ={}, memory=lambda gpu, env: H200)
+    plan(two, gpu_count=1, environ={}, memory=lambda gpu, env: None)  # size unknown: shares
+    one = load_config(CONFIGS / "gpu-talker.yaml")
+    plan(one, gpu_count=1, environ={}, memory=lambda gpu, env: H100)
+    asked: list[tuple[int, dict]] = []
+    plan(split_layout(), gpu_count=3, environ={}, memory=lambda *a: asked.append(a) or H100)
+    assert asked == []  # no engine sized in bytes: the GPU's size is not asked for
+
+
 @pytest.mark.parametrize(
     ("stages", "message"),
     [
