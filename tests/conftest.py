@@ -22,6 +22,7 @@ import wave
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -134,16 +135,103 @@ def restarted() -> threading.Event:
     return threading.Event()
 
 
-@pytest.fixture(scope="module")
-def supervisor(config, restarted: threading.Event) -> Iterator[Supervisor]:
-    """The stages of the requesting module's `config`, running for the whole module; once they
-    are stopped, no segment of theirs and no stage process is left."""
-    with Supervisor(config, on_restart=lambda stage, n: restarted.set()) as sup:
-        sup.start()
+# Modules that run the same stages (their configs differ in the gateway's section only), run
+# one after another so that they share them (SharedStages)
+SHARING_STAGES = (
+    ("gateway/test_offline_call.py", "gateway/test_tools.py", "web/test_demo_page_offline.py"),
+)
+
+
+def stage_key(config: Any) -> str:
+    """What a supervisor's stages are made of: the whole config but the gateway's own section
+    (auth, tools, telephony, limits), which only the module's gateway reads."""
+    return json.dumps(config.model_dump(mode="json", exclude={"gateway"}), sort_keys=True)
+
+
+class SharedStages:
+    """The stages of the last end-to-end module, kept running for the next module if it needs
+    the same ones: a vLLM start takes 30-60 s of a 2-core machine. Stopped (and checked to
+    leave no segment and no process) as soon as a module needs other stages or none, and at
+    the end of the session. Stages that were ever restarted are not handed on."""
+
+    def __init__(self) -> None:
+        self.supervisor: Supervisor | None = None
+        self.key = ""
+        self.restarted = threading.Event()  # the current module's
+
+    def stages_for(self, config: Any, restarted: threading.Event) -> Supervisor:
+        key, sup = stage_key(config), self.supervisor
+        self.restarted = restarted
+        if sup is not None and key == self.key and self._untouched(sup):
+            return sup
+        self.stop()
+        sup = Supervisor(config, on_restart=lambda stage, n: self.restarted.set())
+        try:
+            sup.start()
+        except BaseException:
+            sup.stop()
+            raise
+        self.supervisor, self.key = sup, key
+        return sup
+
+    @staticmethod
+    def _untouched(sup: Supervisor) -> bool:
+        return all(
+            s.restarts == 0 and s.process is not None and s.process.is_alive()
+            for s in sup.stages.values()
+        )
+
+    def stop(self) -> None:
+        sup, self.supervisor = self.supervisor, None
+        if sup is None:
+            return
         segments = [sup.names.control, *(sup.names.ring(*link) for link in sup.rings.rings)]
-        yield sup
-    assert not set(segments) & set(list_segments()), "supervisor left segments behind"
-    assert all(not s.process.is_alive() for s in sup.stages.values())
+        sup.stop()
+        assert not set(segments) & set(list_segments()), "supervisor left segments behind"
+        assert all(not s.process.is_alive() for s in sup.stages.values())
+
+
+@pytest.fixture(scope="session")
+def shared_stages() -> Iterator[SharedStages]:
+    shared = SharedStages()
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each group of SHARING_STAGES runs together, where its first module would have run."""
+    root = Path(__file__).parent
+    module_of = {item: item.path.relative_to(root).as_posix() for item in items}
+    rank = {m: (group[0], i) for group in SHARING_STAGES for i, m in enumerate(group)}
+    first_seen: dict[str, int] = {}
+    for n, item in enumerate(items):
+        first_seen.setdefault(rank.get(module_of[item], (module_of[item], 0))[0], n)
+
+    def order(item_index: tuple[int, pytest.Item]) -> tuple[int, int, int]:
+        n, item = item_index
+        anchor, place = rank.get(module_of[item], (module_of[item], 0))
+        return first_seen[anchor], place, n
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=order)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stages_only_where_needed(request: pytest.FixtureRequest, shared_stages: SharedStages) -> None:
+    """A module that runs no stages of its own runs without any left running."""
+    if "supervisor" not in request.fixturenames:
+        shared_stages.stop()
+
+
+@pytest.fixture(scope="module")
+def supervisor(
+    config, restarted: threading.Event, shared_stages: SharedStages
+) -> Iterator[Supervisor]:
+    """The stages of the requesting module's `config`, running for the whole module (and
+    handed on to the next module that needs the same: SharedStages); once they are stopped,
+    no segment of theirs and no stage process is left."""
+    yield shared_stages.stages_for(config, restarted)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -27,7 +27,8 @@ SECONDS = 1000  # Playwright timeouts are in ms
 
 @pytest.fixture(scope="module")
 def config():
-    return load_config(OFFLINE, {"gateway.port": 0})
+    # test_offline_call's stages, shared with it (tests/conftest.py: SHARING_STAGES)
+    return load_config(OFFLINE, {"gateway.port": 0, "max_sessions": 8})
 
 
 @pytest.fixture(scope="module")
