@@ -199,12 +199,13 @@ class Gateway:
 
     def session_config(self) -> SessionConfig:
         """A new session's settings: the configuration's defaults."""
-        td = self.config.gateway.turn_detection
+        gw = self.config.gateway
         return SessionConfig(
             voice=self.config.vocoder.voice,
             model=self.config.reasoning.model,
             instructions=self.config.reasoning.system_prompt,
-            turn_detection=TurnDetection(**td.model_dump()),
+            turn_detection=TurnDetection(**gw.turn_detection.model_dump()),
+            max_output_tokens=gw.max_output_tokens or "inf",
         )
 
     def check_session_config(self, session: Any, param: str = "session") -> SessionConfig:

@@ -12,6 +12,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from stages.config import ClusterConfig, PipelineConfig, Strict
 
+MAX_OUTPUT_TOKENS = 4096  # a reply's cap in the Realtime API's max_output_tokens
+
 
 class TurnDetectionConfig(Strict):
     """Defaults of OpenAI's turn detection for new calls (session.update changes them).
@@ -404,6 +406,13 @@ class GatewayConfig(Strict):
         "analysis (gateway.trace; loadtest.gpu_run reads them). Off by default",
     )
     turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
+    max_output_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_OUTPUT_TOKENS,
+        description="a new session's max_output_tokens (session.update and response.create "
+        "change it); unset: 'inf', each reply capped by reasoning.sampling.max_tokens",
+    )
     voice_activity: Literal["webrtc", "silero"] = Field(
         "webrtc",
         description="the VAD's per-frame classifier: webrtcvad, or Silero VAD on ONNX "

@@ -16,14 +16,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway import tools
-from gateway.config import TurnDetectionConfig
+from gateway.config import MAX_OUTPUT_TOKENS, TurnDetectionConfig
 from gateway.fields import ProtocolError, check_keys, mapping, text_field, unsupported
 from gateway.opus import OpusUnavailable, opuslib
 from gateway.tools import ToolSet
 
 INPUT_RATE = 24_000  # audio/pcm in the Realtime API: PCM16 mono 24 kHz, little-endian
 OUTPUT_RATE = 24_000
-MAX_OUTPUT_TOKENS = 4096
 OPUS = "audio/opus"
 OPUS_RATE = 24_000  # what the agent's audio/opus is coded at
 G711_FORMATS = ("audio/pcmu", "audio/pcma")  # 8 kHz telephone audio (gateway.g711)

@@ -4,14 +4,19 @@ set, what is refused by name, and keys that expire."""
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
 import pytest
 
 from gateway import auth as auth_mod
 from gateway.auth import Authenticator, AuthError
-from gateway.config import AuthConfig
+from gateway.calls import Gateway
+from gateway.config import MAX_OUTPUT_TOKENS, AuthConfig, ConfigError, load_config
 from gateway.conversation import Conversation, Item, item_from_client
 from gateway.protocol import ProtocolError, SessionConfig, parse_response_create
+from stages.rings import RingNames
+
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
 
 def fresh() -> SessionConfig:
@@ -284,3 +289,20 @@ def test_mcp_servers_allowed_by_scheme_host_port_and_path() -> None:
     assert not tools.mcp_allowed("http://127.0.0.1.evil.example/mcp")
     assert not ToolsConfig().mcp_allowed("http://127.0.0.1/mcp")  # none by default
     assert ToolsConfig(mcp_servers=["*"]).mcp_allowed("https://anywhere.example/")
+
+
+def test_a_new_session_starts_from_the_configured_reply_cap() -> None:
+    """gateway.max_output_tokens is a new session's max_output_tokens ("inf" when unset:
+    reasoning.sampling.max_tokens caps each reply); session.update still changes it."""
+
+    def new_session(overrides: dict) -> SessionConfig:
+        config = load_config(TINY, overrides)
+        return Gateway(config, RingNames.fresh(), 22050, lambda: True).session_config()
+
+    default = new_session({})
+    assert default.max_output_tokens == "inf" and default.token_cap is None
+    capped = new_session({"gateway.max_output_tokens": 24})
+    assert capped.token_cap == 24 and capped.to_json("sess_1")["max_output_tokens"] == 24
+    assert capped.updated({"max_output_tokens": "inf"}).token_cap is None
+    with pytest.raises(ConfigError, match="max_output_tokens"):
+        load_config(TINY, {"gateway.max_output_tokens": MAX_OUTPUT_TOKENS + 1})
