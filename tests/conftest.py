@@ -136,9 +136,18 @@ def restarted() -> threading.Event:
 
 
 # Modules that run the same stages (their configs differ in the gateway's section only), run
-# one after another so that they share them (SharedStages)
+# one after another so that they share them (SharedStages). A module whose tests restart a
+# stage goes last in its group: restarted stages are not handed on.
 SHARING_STAGES = (
     ("gateway/test_offline_call.py", "gateway/test_tools.py", "web/test_demo_page_offline.py"),
+    (  # tests.serving.tiny_call_config
+        "gateway/test_call_e2e.py",
+        "gateway/test_realtime_sdk.py",
+        "gateway/test_twilio.py",
+        "web/test_demo_page.py",
+        "web/test_agents_sdk.py",
+        "gateway/test_hardening.py",
+    ),
 )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,12 +15,33 @@ from aiohttp import web
 
 from gateway import aiortc_tuning
 from gateway.app import create_app
-from gateway.config import OmniConfig
+from gateway.config import OmniConfig, load_config
 from gateway.ice import restrict_host_addresses
 from gateway.media import prepare_media
 from gateway.server import build_app
 from stages.rings import RingNames, RingSet
 from stages.supervisor import Supervisor
+
+TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+
+
+def tiny_call_config(gateway: dict[str, Any]) -> OmniConfig:
+    """configs/tiny.yaml as the end-to-end call modules run it: the same stages for all of
+    them, so that they share one start (conftest's SHARING_STAGES), with the module's own
+    gateway settings. The random-weight model ignores its end-of-sequence token, so every
+    reply is exactly its session's max_output_tokens long (`gateway.max_output_tokens`, 160
+    if unset): a module sets the length its calls need there, not in the stages."""
+    if not all(key.startswith("gateway.") for key in gateway):
+        raise ValueError(f"only gateway settings, or the stages are not shared: {list(gateway)}")
+    return load_config(
+        TINY,
+        {
+            "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
+            "max_sessions": 16,
+            "gateway.port": 0,
+            **gateway,
+        },
+    )
 
 
 @asynccontextmanager

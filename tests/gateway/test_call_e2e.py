@@ -7,7 +7,6 @@ import asyncio
 import json
 import multiprocessing
 import time
-from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -15,29 +14,20 @@ import pytest
 
 from gateway.app import gateway_of
 from gateway.client import RealtimeCall
-from gateway.config import load_config
 from gateway.session import RealtimeSession
 from loadtest.callers import worst_gap_ms
 from stages.audio import resample
+from tests.serving import tiny_call_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 SILENT_RMS = 30.0  # Opus silence decodes to a few LSBs
 STAGES = ("encoder", "reasoning", "vocoder")
 
 
 @pytest.fixture(scope="module")
 def config():
-    return load_config(
-        TINY,
-        {
-            "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
-            "gateway.max_calls": 12,
-            "gateway.port": 0,
-            "max_sessions": 16,
-        },
-    )
+    return tiny_call_config({"gateway.max_output_tokens": 160, "gateway.max_calls": 12})
 
 
 def speech48k(recording) -> np.ndarray:

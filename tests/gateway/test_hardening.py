@@ -13,7 +13,6 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,15 +23,14 @@ from aiortc import RTCPeerConnection
 
 from gateway.app import gateway_of
 from gateway.client import RealtimeCall
-from gateway.config import load_config
 from gateway.fields import MAX_TEXT_BYTES
 from tests.gateway import otlp, payloads
 from tests.gateway.otlp import Receiver
 from tests.gateway.test_call_e2e import speech48k
+from tests.serving import tiny_call_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 KEY = "sk-omni-hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FUZZ_EVENTS = 400  # over the WebSocket; and as many again over a call's data channel
@@ -49,11 +47,10 @@ def config(otlp_receiver: Receiver) -> Iterator[Any]:
     """Traces on, to a receiver of the module's own (Langfuse's auth header shape)."""
     os.environ[HEADERS_ENV] = f"Authorization={AUTH_HEADER.replace(' ', '%20')}"
     try:
-        yield load_config(
-            TINY,
+        yield tiny_call_config(
             {
                 "gateway.tracing": {"otlp_endpoint": otlp_receiver.url, "headers_env": HEADERS_ENV},
-                "reasoning.sampling": {"max_tokens": 16, "ignore_eos": True},
+                "gateway.max_output_tokens": 16,
                 "gateway.auth": {"enabled": True, "api_keys": [KEY], "api_keys_env": None},
                 "gateway.limits": {
                     "connect_timeout_s": 2,
@@ -61,9 +58,7 @@ def config(otlp_receiver: Receiver) -> Iterator[Any]:
                     "request_timeout_s": 2,
                     "calls_per_client_secret": 2,
                 },
-                "gateway.port": 0,
-                "max_sessions": 12,
-            },
+            }
         )
     finally:
         os.environ.pop(HEADERS_ENV, None)

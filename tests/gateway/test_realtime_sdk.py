@@ -11,7 +11,6 @@ import io
 import json
 import time
 import wave
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,25 +21,21 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from openai import AsyncOpenAI
 
 from gateway.client import Microphone, RealtimeCall, typed_event
-from gateway.config import load_config
 from tests.gateway.sdk_events import Events, decode_audio, pcm24k_b64, text_turn
+from tests.serving import tiny_call_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 KEY = "sk-omni-test-key"
 
 
 @pytest.fixture(scope="module")
 def config():
-    return load_config(
-        TINY,
+    return tiny_call_config(
         {
-            "reasoning.sampling": {"max_tokens": 24, "ignore_eos": True},
+            "gateway.max_output_tokens": 24,
             "gateway.auth": {"enabled": True, "api_keys": [KEY], "api_keys_env": None},
-            "gateway.port": 0,
-            "max_sessions": 8,
-        },
+        }
     )
 
 
@@ -60,6 +55,7 @@ async def test_session_update_applies_and_refuses_what_is_not_built(base) -> Non
         events = Events(conn)
         created = await events.next("session.created")
         assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+        assert created["session"]["max_output_tokens"] == 24  # gateway.max_output_tokens
         await conn.session.update(
             session={
                 "type": "realtime",

@@ -9,40 +9,37 @@ import asyncio
 import base64
 import json
 import logging
-from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
 
 from gateway.app import gateway_of
-from gateway.config import load_config
 from loadtest.phone import FRAME, PhoneCall, mulaw_decode, mulaw_encode
 from stages.audio import resample
+from tests.serving import tiny_call_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 KEY = "sk-omni-phone-key"
 
 
 @pytest.fixture(scope="module")
 def config():
-    return load_config(
-        TINY,
+    return tiny_call_config(
         {
-            # long replies, so that there is something to talk over
-            "reasoning.sampling": {"max_tokens": 120, "ignore_eos": True},
+            # replies of a few seconds, heard to their end
+            "gateway.max_output_tokens": 24,
             "gateway.auth": {"enabled": True, "api_keys": [KEY], "api_keys_env": None},
             "gateway.telephony": {
                 "profiles": {
                     "default": {"instructions": "You answer the phone for a bakery."},
                     "quiet": {"output_modalities": ["text"]},
+                    # long replies, so that there is something to talk over
+                    "long": {"max_output_tokens": 120},
                 }
             },
-            "gateway.port": 0,
-            "max_sessions": 8,
-        },
+        }
     )
 
 
@@ -74,7 +71,7 @@ async def test_a_phone_call_is_answered_in_speech(server, make_speech) -> None:
 
 async def test_a_barge_in_on_the_phone_clears_the_agent(server, make_speech) -> None:
     base, app = server
-    async with PhoneCall.dial(phone_url(base), {"api_key": KEY}) as phone:
+    async with PhoneCall.dial(phone_url(base), {"api_key": KEY, "profile": "long"}) as phone:
         phone.say(speech8k(make_speech, "tell me about your bread"))
         spoke = await phone.until_agent_speaks()
         [call] = [c for c in gateway_of(app).calls.values() if c.call_id.startswith("tel")]

@@ -24,14 +24,12 @@ from aiohttp import web
 from playwright.async_api import Browser, Page
 
 from gateway.app import gateway_of
-from gateway.config import load_config
 from stages.audio import write_wav
-from tests.serving import serving
+from tests.serving import serving, tiny_call_config
 from tests.web.browser import PageProblems, launched
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 SDK = Path(__file__).parent / "agents_sdk"
 BUNDLE = SDK / "node_modules" / "@openai" / "agents-realtime" / "dist" / "bundle"
 API_KEY = "sk-agents-sdk-test"
@@ -65,14 +63,12 @@ async def page_origins() -> AsyncIterator[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def config(page_origins):
     allowed, _ = page_origins
-    return load_config(
-        TINY,
+    return tiny_call_config(
         {
-            "encoder.options": {"pool_size": 2},
-            "gateway.port": 0,
+            "gateway.max_output_tokens": 16,  # short replies: only that they come is tested
             "gateway.auth": {"api_keys": [API_KEY], "api_keys_env": None},
             "gateway.cors": {"allowed_origins": [allowed]},
-        },
+        }
     )
 
 

@@ -24,14 +24,12 @@ from PIL import Image
 from playwright.async_api import Browser, Page, expect
 
 from gateway.app import gateway_of
-from gateway.config import load_config
 from gateway.page import add_page_routes
-from tests.serving import metric, serving
+from tests.serving import metric, serving, tiny_call_config
 from tests.web.browser import PageProblems, launched
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
-TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 RATE = 16000
 LEAD_S = 2.0  # covers getUserMedia -> call connected; speech before that would be lost
 PAUSE_S = 6.0  # the agent starts speaking 0.2-2 s after the question on 2 busy cores
@@ -43,16 +41,13 @@ API_KEY = "sk-demo-page-test"
 
 @pytest.fixture(scope="module")
 def config():
-    return load_config(
-        TINY,
+    return tiny_call_config(
         {
             # replies long enough (about 13 s of speech) to be talked over
-            "reasoning.sampling": {"max_tokens": 48, "ignore_eos": True},
-            "encoder.options": {"pool_size": 2},
-            "gateway.port": 0,
+            "gateway.max_output_tokens": 48,
             # the page sends the key the person types; without it calls are refused
             "gateway.auth": {"api_keys": [API_KEY], "api_keys_env": None},
-        },
+        }
     )
 
 
