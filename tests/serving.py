@@ -31,8 +31,10 @@ def tiny_call_config(gateway: dict[str, Any]) -> OmniConfig:
     gateway settings. The random-weight model ignores its end-of-sequence token, so every
     reply is exactly its session's max_output_tokens long (`gateway.max_output_tokens`, 160
     if unset): a module sets the length its calls need there, not in the stages."""
-    if not all(key.startswith("gateway.") for key in gateway):
-        raise ValueError(f"only gateway settings, or the stages are not shared: {list(gateway)}")
+    if others := [key for key in gateway if not key.startswith("gateway.")]:
+        raise ValueError(
+            f"{others}: not gateway settings; they would give the module stages of its own"
+        )
     return load_config(
         TINY,
         {
