@@ -1,6 +1,6 @@
 """An MCP server for the tool tests, on the official SDK's MCPServer (FastMCP in mcp 1.x),
 served over streamable HTTP on 127.0.0.1: `python -m tests.gateway.mcp_server` prints
-`port N` once it listens and serves until it is terminated."""
+`port N` once it listens, and serves until it is terminated."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ def broken_tool() -> str:
 def main() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    # listening before the port is told: a client that connects while uvicorn is still
+    # starting waits in the backlog instead of being refused
+    sock.listen(128)
     print(f"port {sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(server.streamable_http_app(), log_level="warning", lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])
