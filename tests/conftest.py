@@ -35,6 +35,12 @@ from shm.segments import owner_of
 from stages.supervisor import Supervisor
 from tests.serving import serving_gateway
 
+# vLLM's worker runs inside its engine core process, as it does on one GPU, instead of in a
+# process of its own (vLLM's CPU default): the suite starts about twenty engines, and the extra
+# process costs each ~13 s to start and ~2 s to stop on two cores. The stages, the `start`
+# commands and the Ray actors the tests run inherit it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 
 @pytest.fixture(autouse=True)
 def no_leaked_segments() -> Iterator[None]:

@@ -674,7 +674,8 @@ async def test_vllms_engine_core_killed(server, supervisor, restarted) -> None:
 
 
 async def test_the_reasoning_stage_killed(server, supervisor, restarted) -> None:
-    """Its engine core and worker outlive it, in its process group: the supervisor ends them."""
+    """Its engine core (and the worker, where vLLM runs one apart) outlives it, in its process
+    group: the supervisor ends them."""
     await kill_under_a_live_reply(server, supervisor, restarted, "reasoning", lambda ps: ps[0])
 
 
