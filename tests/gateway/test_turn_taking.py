@@ -161,9 +161,9 @@ async def test_a_sound_over_the_agent_does_not_stop_it(server, piper, sound) -> 
     call = await RealtimeCall.connect(base)
     try:
         await call.next_event("session.created")
-        # long enough to speak over and play on after the sound (about 12 s), not the module's
+        # long enough to speak over and play on after the sound (about 8 s), not the module's
         # 160 tokens, which this test would hear to the end
-        call.send({"type": "response.create", "response": {"max_output_tokens": 48}})
+        call.send({"type": "response.create", "response": {"max_output_tokens": 32}})
         await agent_speaking(call)
         onset = time.monotonic()
         call.microphone.play(clips[sound])
