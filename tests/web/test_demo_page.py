@@ -139,7 +139,9 @@ async def test_call_transcripts_audio_barge_in_and_hang_up(server, page, tmp_pat
     await expect(you).to_be_visible(timeout=15 * SECONDS)
     assert await metric(base, 'omni_vad_events_total{event="speech_started"}') >= 1
     await expect(you).to_have_attribute("data-state", "done", timeout=20 * SECONDS)
-    await expect(you.locator(".text")).to_have_text(re.compile(r"what|weather|today|paris", re.I))
+    # pocketsphinx on espeak's voice: "weather" comes out as its homophone "whether" at times
+    heard = re.compile(r"what|weather|whether|today|paris", re.I)
+    await expect(you.locator(".text")).to_have_text(heard)
 
     # the agent answers: its audio arrives, plays, and carries sound; its transcript shows
     agent = page.locator("#turns li.agent").first
