@@ -275,7 +275,7 @@ class CancelAck(Msg):
     cancel_id: int
     stage: str
     t_ns: int  # CLOCK_MONOTONIC when the stage had stopped everything
-    kv_usage: float | None = None  # reasoning only: KV-cache usage after the abort
+    kv_usage: float | None = None  # reasoning and a talker: KV-cache usage after the abort
 
 
 class Error(Msg):

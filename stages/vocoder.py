@@ -179,14 +179,15 @@ class VocoderStage(QueuedStage):
     def deliver(self, env: Envelope) -> None:
         msg = env.msg
         if isinstance(msg, Cancel):
-            # Acknowledged here, on the reader thread, not after the decoder pass in progress
+            # Acknowledged from here, the reader thread, not after the decoder pass in progress
             # (tens of ms with a batch of replies): the session's epoch was bumped before the
             # CANCEL was sent, every decoder step and every push of this stage checks it, and the
             # gateway's ring drops a piece pushed in between, so from here on nothing of the
             # cancelled reply leaves the stage; the model loop drops its state next. A talker
             # voice aborts the session's request first, and the ack carries its KV usage once
-            # the engine has applied the abort.
-            self.ack(env.session, msg, kv_usage=self._abort_talking())
+            # the engine has applied the abort, sent from the engine's loop while this reader
+            # goes on to the records behind the CANCEL.
+            self._ack_after_abort(env.session, msg)
         elif isinstance(msg, ResponseRelease) and msg.keep and not self.is_stale(env):
             # Sent here too, on the reader thread: the model loop reads it only after the
             # decoder pass in progress (tens of ms at 8 callers), and the caller's first audio
@@ -231,9 +232,12 @@ class VocoderStage(QueuedStage):
         if reply is not None and stop.ends_reply(reply.response_id, reply.epoch):
             self._drop(session)
 
-    def _abort_talking(self) -> float | None:
+    def _ack_after_abort(self, session: int, cancel: Cancel) -> None:
         abort = getattr(self.voice, "abort_stopped", None)
-        return None if abort is None else abort()
+        if abort is None:
+            self.ack(session, cancel)
+        else:
+            abort(lambda kv: self.ack(session, cancel, kv_usage=kv))
 
     def close(self) -> None:
         for session in list(getattr(self, "replies", ())):

@@ -6,9 +6,10 @@ stage's: its engine core (weights, KV cache, CUDA graphs) is a process of its ow
 the vocoder's GPUs; this process holds the engine's front end, on an event loop thread of its
 own, and the SNAC decoder. Every phrase is one vLLM request, so every caller's phrases are
 decoded together by vLLM's continuous batching with paged KV; `advance` then decodes every
-stream's ready frames in one SNAC batch. A cancel aborts the session's request on the
+stream's ready frames in one SNAC batch. A cancel aborts the session's request from the
 reader thread that reads the CANCEL, and the vocoder's acknowledgement carries the talker's KV
-usage once the engine has applied the abort (`abort_stopped`), as the reasoning stage's does.
+usage once the engine has applied the abort (`abort_stopped`), as the reasoning stage's does;
+the reader does not wait for it.
 
 Loads any talker of this layout: a Hugging Face id (in the cache) or a local folder, e.g.
 canopylabs/orpheus-3b-0.1-ft with hubertsiuzdak/snac_24khz, or the random-weight ones that
@@ -231,22 +232,33 @@ class TalkerVoice:
         ids = self.tokenizer(spoken)["input_ids"]
         return [*self._prompt_start, *ids, *self._prompt_end]
 
-    def abort_stopped(self, timeout: float = 1.0) -> float | None:
+    def abort_stopped(self, then: Callable[[float | None], None], timeout: float = 1.0) -> None:
         """Abort every request whose stream says stop (a cancelled session's, its epoch moved
-        on), and return the talker's KV usage once the engine has applied the aborts. Called on
-        the reader thread that reads a CANCEL, before it is acknowledged."""
+        on), and call `then` with the talker's KV usage once the engine has applied the aborts
+        (None if that failed or took over `timeout` s).
+
+        Called on the reader thread that reads a CANCEL, which goes on reading meanwhile: the
+        engine frees the blocks at the end of its step in flight (tens of ms at 64 callers),
+        and a release or another session's CANCEL behind this one must not wait for that.
+        `then` runs on the engine's loop thread, or at once where nothing was stopped."""
         with self._new_tokens:
             stopped = [s for s in self._live.values() if s.stop()]
         for s in stopped:
             s.done = True
         if not stopped:
-            return self.engine.kv_usage()
-        ids = [s.request_id for s in stopped]
+            then(self.engine.kv_usage())
+            return
+        self._loop.spawn(self._confirm_aborts([s.request_id for s in stopped], then, timeout))
+
+    async def _confirm_aborts(
+        self, ids: list[str], then: Callable[[float | None], None], timeout: float
+    ) -> None:
+        kv: float | None = None
         try:
-            return self._loop.call(self.engine.abort_confirmed(ids), timeout)
+            kv = await asyncio.wait_for(self.engine.abort_confirmed(ids), timeout)
         except Exception:
             logger.exception("talker: aborting %s failed", ids)
-            return None
+        then(kv)
 
     def _abort_later(self, stream: TalkStream) -> None:
         if not stream.finished:

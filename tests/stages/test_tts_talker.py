@@ -121,12 +121,24 @@ def test_abort_stopped_aborts_only_the_cancelled_sessions_streams(voice: TalkerV
         voice.advance([cut, other])
     usage_before = voice.engine.kv_usage()
     cancelled.set()  # the session's epoch moved on: its stop() says so
+    confirmed: list[tuple[float | None, str]] = []
+    done = threading.Event()
+
+    def then(kv: float | None) -> None:
+        confirmed.append((kv, threading.current_thread().name))
+        done.set()
+
     t0 = time.monotonic()
-    kv = voice.abort_stopped()
+    voice.abort_stopped(then)
+    returned_ms = (time.monotonic() - t0) * 1000
+    assert cut.done and not other.done  # stopped at once, before the engine confirms
+    assert done.wait(5), "the abort was never confirmed"
     took_ms = (time.monotonic() - t0) * 1000
-    print(f"\nabort confirmed in {took_ms:.1f} ms, KV usage {usage_before:.4f} -> {kv}")
-    assert kv is not None and cut.done and not other.done
-    assert kv <= usage_before
+    [(kv, thread)] = confirmed
+    print(f"\nabort_stopped returned in {returned_ms:.1f} ms, confirmed in {took_ms:.1f} ms,")
+    print(f"KV usage {usage_before:.4f} -> {kv}")
+    assert kv is not None and kv <= usage_before
+    assert thread == "talker-loop"  # confirmed on the engine's loop, not the caller's thread
 
     blocks = []
     while not other.done and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ from stages.envelope import Envelope
 from stages.messages import (
     AudioDone,
     Cancel,
+    CancelAck,
     Kind,
     Phrase,
     ResponseDone,
@@ -112,6 +113,32 @@ def test_a_release_is_sent_by_the_reader_not_after_the_loops_decoder_pass(vocode
     vocoder.pump_until_idle()
     assert vocoder.sent[: len(made)] == made and vocoder.sent.count(made[0]) == 1
     assert vocoder.sent[-1] == AudioDone(REPLY, "completed")
+
+
+def test_a_talkers_cancel_is_acked_once_its_abort_is_applied_without_holding_the_reader(
+    vocoder,
+) -> None:
+    """A talker voice frees its KV blocks at the end of its engine's step in flight: the ack
+    waits for that, the reader that read the CANCEL does not (a release behind it goes out
+    first). A voice with nothing to abort is acked at once."""
+    confirm = []
+    vocoder.voice.abort_stopped = confirm.append  # the talker's: calls back once applied
+    made = vocoder.replies[SESSION].held.kept
+    records = lambda: [record for _, record, _ in vocoder.gateway.sent]  # noqa: E731
+    vocoder.read(Cancel(7, "resp_3_0"))  # an earlier reply's: this one stays held
+    assert len(confirm) == 1 and records() == []
+
+    vocoder.read(ResponseRelease(REPLY, keep=True))
+    assert records() == made  # out while the abort is still being applied
+
+    confirm[0](0.25)  # the engine applied it: the ack carries the KV usage
+    ack = records()[-1]
+    assert isinstance(ack, CancelAck) and (ack.cancel_id, ack.kv_usage) == (7, 0.25)
+
+    del vocoder.voice.abort_stopped  # espeak's own: no engine to wait for
+    vocoder.read(Cancel(8, "resp_3_0"))
+    ack = records()[-1]
+    assert isinstance(ack, CancelAck) and (ack.cancel_id, ack.kv_usage) == (8, None)
 
 
 def test_a_reader_releasing_while_the_loop_speaks_loses_and_reorders_nothing() -> None:
