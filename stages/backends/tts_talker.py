@@ -248,7 +248,14 @@ class TalkerVoice:
         if not stopped:
             then(self.engine.kv_usage())
             return
-        self._loop.spawn(self._confirm_aborts([s.request_id for s in stopped], then, timeout))
+        ids = [s.request_id for s in stopped]
+        confirm = self._confirm_aborts(ids, then, timeout)
+        try:
+            self._loop.spawn(confirm)
+        except RuntimeError:  # the engine's loop is closed: the voice is shutting down
+            confirm.close()
+            logger.warning("talker: %s not aborted: the engine's loop is closed", ids)
+            then(None)
 
     async def _confirm_aborts(
         self, ids: list[str], then: Callable[[float | None], None], timeout: float
