@@ -144,7 +144,8 @@ def item_truncate(session: RealtimeSession, data: dict[str, Any], event_id: str 
         # truncation and its cancel carries the heard text to the reasoning stage
         stop.cut(session.replies, session.cancels, "client_truncate", session.log, played)
         return
-    item.content[0]["transcript"] = tracker.heard(played)
+    content = item.content[0]
+    content["transcript"] = tracker.heard(played, content.get("transcript"))
     session.sync_history()
     session.outbox.item_truncated(item.id, end_ms)
 

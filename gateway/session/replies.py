@@ -309,4 +309,4 @@ class Replies:
 
     def heard_text(self, reply: Reply, heard_samples: int) -> str:
         """What the caller heard of `reply` after `heard_samples` of its audio."""
-        return reply.tracker.heard(heard_samples) if reply.audio else reply.text
+        return reply.tracker.heard(heard_samples, reply.text) if reply.audio else reply.text

@@ -61,8 +61,9 @@ class SpokenTracker:
             start, _, text = self.phrases[-1]
             self.phrases[-1] = (start, self.samples, text)
 
-    def heard(self, played_samples: int) -> str:
-        """Whole phrases played, plus the share of words of the one cut off."""
+    def heard(self, played_samples: int, transcript: str | None = None) -> str:
+        """Whole phrases played, plus the share of words of the one cut off; given the
+        reply's `transcript`, as the prefix of it they make up."""
         words: list[str] = []
         for start, end, text in self.phrases:
             if played_samples >= end:
@@ -70,7 +71,25 @@ class SpokenTracker:
             elif played_samples > start:
                 parts = text.split()
                 words += parts[: int(len(parts) * (played_samples - start) / (end - start))]
-        return " ".join(words)
+        heard = " ".join(words)
+        return heard if transcript is None else _prefix_spelling(transcript, heard)
+
+
+def _prefix_spelling(transcript: str, heard: str) -> str:
+    """The prefix of `transcript` spelling `heard`'s characters. Phrases are cut without
+    their whitespace and sometimes inside a word (text without spaces), so joining them
+    with spaces may not spell the transcript's words; `heard` if it is not such a prefix."""
+    wanted = "".join(heard.split())
+    done = 0
+    for i, char in enumerate(transcript):
+        if done == len(wanted):
+            return transcript[:i].rstrip()
+        if char.isspace():
+            continue
+        if char != wanted[done]:
+            return heard
+        done += 1
+    return transcript if done == len(wanted) else heard
 
 
 @dataclass

@@ -238,8 +238,9 @@ async def test_truncate_cuts_the_item_to_what_was_heard(base) -> None:
         assert truncated["item_id"] == item["id"] and truncated["audio_end_ms"] == length_ms // 3
         await conn.conversation.item.retrieve(item_id=item["id"])
         kept = (await events.next("conversation.item.retrieved"))["item"]["content"][0]
-        words, heard = full.split(), kept["transcript"].split()
-        assert len(heard) < len(words) and words[: len(heard)] == heard
+        # a prefix of what was said (random weights write words without spaces, which
+        # phrases cut inside a word: the prefix may end inside one)
+        assert full.startswith(kept["transcript"]) and len(kept["transcript"]) < len(full)
 
         await conn.conversation.item.delete(item_id=item["id"])
         assert (await events.next("conversation.item.deleted"))["item_id"] == item["id"]

@@ -235,6 +235,25 @@ def test_a_replys_voice_that_comes_before_its_start_is_kept_for_it() -> None:
     assert b.transport.played[-1] == ("resp_2", 500)
 
 
+def test_the_heard_text_is_a_prefix_of_the_transcript_when_phrases_split_a_word() -> None:
+    """Text without spaces is cut into phrases inside a word: what was heard still spells the
+    transcript's own words, not the phrases joined with spaces."""
+    from gateway.session.reply import SpokenTracker
+
+    transcript = "pos\ufffdname cal, then more"
+    tracker = SpokenTracker()
+    for phrase, samples in (("pos\ufffdna", 100), ("me cal,", 100), ("then more", 100)):
+        tracker.phrase(phrase)
+        tracker.audio(samples)
+    assert tracker.heard(100, transcript) == "pos\ufffdna"
+    assert tracker.heard(200, transcript) == "pos\ufffdname cal,"
+    assert tracker.heard(250, transcript) == "pos\ufffdname cal, then"
+    assert tracker.heard(300, transcript) == transcript
+    assert tracker.heard(200) == "pos\ufffdna me cal,"  # without the transcript, as spoken
+    # a transcript the phrases do not spell (edited since): the phrases' words
+    assert tracker.heard(200, "something else") == "pos\ufffdna me cal,"
+
+
 def test_a_cancel_lets_go_of_voice_kept_for_a_reply_not_yet_started() -> None:
     from stages.messages import Phrase, ResponseStarted
 
