@@ -355,24 +355,11 @@ class VllmEngine:
 
     async def abort_confirmed(self, request_ids: list[str], timeout: float = 0.1) -> float:
         """Abort ``request_ids`` and return the KV usage once the engine has applied the abort
-        (`kv_usage_after_abort`).
-
-        When the aborts leave the engine with nothing to run, it goes idle and sends no more
-        stats to wait for; a round trip through the engine core's input queue, which it reads
-        in order, then says the aborts are applied, and with no request left nothing is held
-        (`idle_after_abort`)."""
+        (`kv_usage_after_abort`)."""
         seq, usage = self.kv_stats_seq(), self.kv_usage()
         for request_id in request_ids:
             await self.abort(request_id)
         sent = self.kv_stats_seq()
-        if self._llm is not None and self.num_unfinished_requests() == 0:
-            try:
-                await asyncio.wait_for(self._llm.is_sleeping(), timeout)
-            except TimeoutError:
-                self._kv.abort_waits.add("timed_out")
-                return self.kv_usage()
-            self._kv.abort_waits.add("idle_after_abort")
-            return 0.0
         return await self.kv_usage_after_abort(seq, usage, timeout, sent_seq=sent)
 
     @property
@@ -456,13 +443,25 @@ class VllmEngine:
         core just before the abort arrived; so a record after `seq_before` counts if it shows
         less usage than `usage_before` or an empty scheduler, and otherwise the second record
         after `sent_seq` is taken. (Records handled while the abort was being sent, e.g. behind
-        a busy event loop, were made before it reached the core.) Past `timeout` the latest
-        usage is returned.
+        a busy event loop, were made before it reached the core.) Where no request is left the
+        engine may send no further record, and a round trip through it confirms instead. Past
+        `timeout` the latest usage is returned.
         """
         kv, deadline = self._kv, time.monotonic() + timeout
         if usage_before == 0.0 and kv.requests == 0:
             kv.abort_waits.add("nothing_held")
             return 0.0  # nothing was held, and an idle engine sends no stats to wait for
+        if self._llm is not None and self.num_unfinished_requests() == 0:
+            # The aborts leave the engine nothing to run: it goes idle and may send no record
+            # after the abort. A round trip through its input queue, which it reads in order,
+            # says the aborts are applied; with no request left nothing is held.
+            try:
+                await asyncio.wait_for(self._llm.is_sleeping(), timeout)
+            except TimeoutError:
+                kv.abort_waits.add("timed_out")
+                return kv.usage
+            kv.abort_waits.add("idle_after_abort")
+            return 0.0
         sent_seq = seq_before if sent_seq is None else sent_seq
         while True:
             seen = kv.seq - seq_before

@@ -316,7 +316,7 @@ def test_kv_usage_after_abort_does_not_count_records_made_before_the_abort_was_s
 
     async def scenario() -> float:
         engine = VllmEngine.__new__(VllmEngine)  # the KV monitor only, no vLLM
-        engine._kv = kv = KvUsageMonitor()
+        engine._llm, engine._kv = None, (kv := KvUsageMonitor())
         kv.update(0.2, requests=2)
         seq, before = kv.seq, kv.usage
         kv.update(0.2, requests=2)  # handled while the abort was being sent
@@ -338,7 +338,7 @@ def test_an_abort_hidden_by_other_requests_growth_is_acked_after_a_second_step()
 
     async def scenario() -> tuple[float, dict[str, int]]:
         engine = VllmEngine.__new__(VllmEngine)  # the KV monitor only, no vLLM
-        engine._kv = kv = KvUsageMonitor()
+        engine._llm, engine._kv = None, (kv := KvUsageMonitor())
         kv.update(0.2, requests=8)
         seq, before = kv.seq, kv.usage
         waiting = asyncio.ensure_future(engine.kv_usage_after_abort(seq, before))
