@@ -240,13 +240,20 @@ class TalkerVoice:
         Called on the reader thread that reads a CANCEL, which goes on reading meanwhile: the
         engine frees the blocks at the end of its step in flight (tens of ms at 64 callers),
         and a release or another session's CANCEL behind this one must not wait for that.
-        `then` runs on the engine's loop thread, or at once where nothing was stopped."""
+        `then` runs on the engine's loop thread, or at once where there is nothing to wait for.
+
+        The engine's loop checks `stop()` every step, so it often aborts the request itself
+        before the CANCEL is read, and finds nothing left to stop here. That abort may not be
+        applied yet, and an engine it leaves idle sends no later stats record: where no request
+        is left, the usage is confirmed by the same round trip as an abort's."""
         with self._new_tokens:
             stopped = [s for s in self._live.values() if s.stop()]
         for s in stopped:
             s.done = True
-        if not stopped:
-            then(self.engine.kv_usage())
+        if not stopped and (
+            self.engine.kv_usage() == 0.0 or self.engine.num_unfinished_requests() > 0
+        ):
+            then(self.engine.kv_usage())  # nothing held, or other requests share the cache
             return
         ids = [s.request_id for s in stopped]
         confirm = self._confirm_aborts(ids, then, timeout)

@@ -149,6 +149,34 @@ def test_abort_stopped_aborts_only_the_cancelled_sessions_streams(voice: TalkerV
     assert made < TOKENS_PER_FRAME * int(len("This caller is about to be interrupted. " * 3) * 0.5)
 
 
+def test_a_cancel_the_engine_saw_first_acks_its_blocks_freed(voice: TalkerVoice) -> None:
+    """The session's epoch moves before its CANCEL is read: the engine's loop sees `stop()`
+    at its next step and aborts the request itself, so the CANCEL finds nothing left to stop.
+    The ack still waits for that abort to be applied and says no KV block is held (an engine
+    left idle sends no stats record after it)."""
+    cancelled = threading.Event()
+    stream = voice.begin("This caller is about to be interrupted. " * 3, stop=cancelled.is_set)
+    deadline = time.monotonic() + 30
+    while not stream.tokens and time.monotonic() < deadline:
+        voice.advance([stream])
+    assert voice.engine.kv_usage() > 0.0
+    cancelled.set()
+    while not stream.finished and time.monotonic() < deadline:
+        time.sleep(0.001)  # the engine's loop notices the stop on its next step
+    assert stream.finished, "the engine never noticed the stop"
+    confirmed: list[float | None] = []
+    done = threading.Event()
+
+    def then(kv: float | None) -> None:
+        confirmed.append(kv)
+        done.set()
+
+    voice.abort_stopped(then)
+    assert done.wait(5), "the ack never came"
+    assert confirmed == [0.0]
+    wait_idle(voice)
+
+
 def test_warming_up_batches_speaks_every_group_to_its_end(voice: TalkerVoice) -> None:
     """Groups of 1, 2 and 3 phrases (the last capped at `most`), each spoken out; nothing
     is left running in the engine, and the voice speaks as before."""
