@@ -113,6 +113,14 @@ class Service:
         assert self.proc.stderr is not None
         self.proc.stderr.close()
 
+    def log_tail(self, lines: int = 80) -> str:
+        """The last `lines` lines of its log so far, read or not by `wait_for`."""
+        while True:
+            try:
+                self.seen.append(self.lines.get_nowait())
+            except queue.Empty:
+                return "".join(self.seen[-lines:])
+
     def __enter__(self) -> Service:
         return self
 

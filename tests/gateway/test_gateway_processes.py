@@ -42,8 +42,14 @@ def service(tmp_path: Path) -> Iterator[Service]:
     try:
         yield service
     finally:
+        stopped = service.proc.poll() is not None  # by the test's own Ctrl-C
         service.kill()
         assert_session_gone(service.proc.pid)  # stages and gateway processes included
+        if not stopped:
+            # a failed test's service is killed outright, a crash as far as its segments go:
+            # reaped as the next start reaps them, and its log shown beside the failure
+            shm.reap_stale()
+            print(f"the service's log, its end:\n{service.log_tail()}")
     assert set(shm.list_segments()) == before
 
 
