@@ -43,6 +43,12 @@ GiB = 1 << 30
 #: KV cache reserved on the CPU when neither ``kv_cache_memory_bytes`` nor
 #: ``VLLM_CPU_KVCACHE_SPACE`` is given; vLLM's own default tries to reserve 92% of RAM.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
+# How long a cancel's ack waits for vLLM to show its abort applied before it reports the usage
+# as last seen (an abort wait `timed_out`). On a GPU that is the rest of one step, a few ms; the
+# bound is for an engine core starved of CPU, whose steps take up to a third of a second on 2
+# busy cores, where a true figure late is worth more than a stale one at once. Each cancel
+# waits in a task of its own, so no other session waits with it.
+ABORT_CONFIRM_TIMEOUT_S = 1.0
 
 
 class VllmEngineError(RuntimeError):
@@ -353,7 +359,9 @@ class VllmEngine:
         except VllmEngineDeadError as exc:
             raise EngineDeadError(f"vLLM engine on {self.model!r} died: {exc}") from exc
 
-    async def abort_confirmed(self, request_ids: list[str], timeout: float = 0.1) -> float:
+    async def abort_confirmed(
+        self, request_ids: list[str], timeout: float = ABORT_CONFIRM_TIMEOUT_S
+    ) -> float:
         """Abort ``request_ids`` and return the KV usage once the engine has applied the abort
         (`kv_usage_after_abort`)."""
         seq, usage = self.kv_stats_seq(), self.kv_usage()
@@ -431,7 +439,7 @@ class VllmEngine:
         self,
         seq_before: int,
         usage_before: float,
-        timeout: float = 0.1,
+        timeout: float = ABORT_CONFIRM_TIMEOUT_S,
         *,
         sent_seq: int | None = None,
     ) -> float:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from stages.backends.llm_vllm import ABORT_CONFIRM_TIMEOUT_S
 from stages.backends.snac_codec import (
     TOKENS_PER_FRAME,
     CodeLayout,
@@ -232,7 +233,11 @@ class TalkerVoice:
         ids = self.tokenizer(spoken)["input_ids"]
         return [*self._prompt_start, *ids, *self._prompt_end]
 
-    def abort_stopped(self, then: Callable[[float | None], None], timeout: float = 1.0) -> None:
+    def abort_stopped(
+        self,
+        then: Callable[[float | None], None],
+        timeout: float = ABORT_CONFIRM_TIMEOUT_S + 1.0,
+    ) -> None:
         """Abort every request whose stream says stop (a cancelled session's, its epoch moved
         on), and call `then` with the talker's KV usage once the engine has applied the aborts
         (None if that failed or took over `timeout` s).
