@@ -161,9 +161,9 @@ def test_a_cancel_the_engine_saw_first_acks_its_blocks_freed(voice: TalkerVoice)
         voice.advance([stream])
     assert voice.engine.kv_usage() > 0.0
     cancelled.set()
-    while not stream.finished and time.monotonic() < deadline:
-        time.sleep(0.001)  # the engine's loop notices the stop on its next step
-    assert stream.finished, "the engine never noticed the stop"
+    with voice._new_tokens:  # notified when the engine's loop ends the request at its next step
+        noticed = voice._new_tokens.wait_for(lambda: stream.finished, timeout=30)
+    assert noticed, "the engine never noticed the stop"
     confirmed: list[float | None] = []
     done = threading.Event()
 
