@@ -419,18 +419,18 @@ async def audio_speech(request: web.Request) -> web.StreamResponse:
     if not gateway.is_ready():
         return _not_ready()
     try:
-        utterance = gateway.open_utterance()
+        speech_request = gateway.open_speech_request()
     except SessionsFull as exc:
         return _full(gateway, exc)
     try:
-        return await speech.respond(request, utterance, fields)
+        return await speech.respond(request, speech_request, fields)
     except (TimeoutError, RuntimeError) as exc:
         logger.error("speech request failed: %s", exc)
         return openai_error(
             500, f"synthesis failed: {exc}", code="vocoder_error", type_="server_error"
         )
     finally:
-        gateway.close_utterance(utterance)
+        gateway.close_speech_request(speech_request)
 
 
 async def health(request: web.Request) -> web.Response:

@@ -27,7 +27,7 @@ from gateway.protocol import SessionConfig, TurnDetection
 from gateway.resample import CALLER_RATE
 from gateway.session import RealtimeSession
 from gateway.siblings import Siblings, call_id
-from gateway.speech import Utterance
+from gateway.speech import SpeechRequest
 from gateway.tools import check_servers
 from gateway.trace import StageTrace
 from gateway.tracing import Tracing
@@ -84,7 +84,7 @@ class Gateway:
         self.scrape_auth = ScrapeAuth(config.gateway.metrics)
         self.metrics = GatewayMetrics()
         self.calls: dict[str, RealtimeSession] = {}
-        self.by_session: dict[int, RealtimeSession | Utterance] = {}
+        self.by_session: dict[int, RealtimeSession | SpeechRequest] = {}
         self.link: PipelineLink | None = None
         self.siblings: Siblings | None = None
         self.hosts: HostRouter | None = None
@@ -312,19 +312,19 @@ class Gateway:
         call.start()
         return call.call_id, pc.localDescription.sdp
 
-    def open_utterance(self) -> Utterance:
+    def open_speech_request(self) -> SpeechRequest:
         """A pipeline session for one /v1/audio/speech request; raises SessionsFull."""
         assert self.link is not None
-        utterance = Utterance(self.link, self.link.open_session(), self.vocoder_rate)
-        self.by_session[utterance.session] = utterance
-        return utterance
+        request = SpeechRequest(self.link, self.link.open_session(), self.vocoder_rate)
+        self.by_session[request.session] = request
+        return request
 
-    def close_utterance(self, utterance: Utterance) -> None:
+    def close_speech_request(self, request: SpeechRequest) -> None:
         assert self.link is not None
-        if not utterance.done:
-            self.link.cancel(utterance.session, reason="client_gone")
-        self.by_session.pop(utterance.session, None)
-        self.link.close_session(utterance.session)
+        if not request.done:
+            self.link.cancel(request.session, reason="client_gone")
+        self.by_session.pop(request.session, None)
+        self.link.close_session(request.session)
 
     def _forget(self, call: RealtimeSession) -> None:
         self.calls.pop(call.call_id, None)

@@ -84,7 +84,7 @@ def wav_header(n_samples: int | None, rate: int = OUTPUT_RATE) -> bytes:
     )
 
 
-class Utterance:
+class SpeechRequest:
     """One /v1/audio/speech request's pipeline session: its stage events, as a queue."""
 
     def __init__(self, link: PipelineLink, session: int, vocoder_rate: int) -> None:
@@ -115,13 +115,13 @@ class Utterance:
 
 
 async def respond(
-    request: web.Request, utterance: Utterance, fields: dict[str, Any]
+    request: web.Request, speech_request: SpeechRequest, fields: dict[str, Any]
 ) -> web.StreamResponse:
     """Stream (or, with stream false, send whole) the audio of `fields['input']`."""
     content_type = FORMATS[fields["format"]]
     wav = fields["format"] == "wav"
     if not fields["stream"]:
-        chunks = [c async for c in utterance.audio(fields["input"])]
+        chunks = [c async for c in speech_request.audio(fields["input"])]
         pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
         body = (wav_header(len(pcm)) if wav else b"") + pcm.astype("<i2").tobytes()
         return web.Response(body=body, content_type=content_type)
@@ -130,7 +130,7 @@ async def respond(
     await response.prepare(request)
     if wav:
         await response.write(wav_header(None))
-    async for chunk in utterance.audio(fields["input"]):
+    async for chunk in speech_request.audio(fields["input"]):
         if len(chunk):
             await response.write(chunk.astype("<i2").tobytes())
     await response.write_eof()
