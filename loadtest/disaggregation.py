@@ -163,11 +163,11 @@ class MonolithicPipeline:
         return int(self.voice.sample_rate)
 
     def conversation(self, session: int) -> Any:
-        from stages.conversation import Conversation
+        from stages.conversation import ChatHistory
 
         if session not in self._conversations:
             cfg = self.config.reasoning
-            self._conversations[session] = Conversation(cfg.system_prompt, cfg.max_history_messages)
+            self._conversations[session] = ChatHistory(cfg.system_prompt, cfg.max_history_messages)
         return self._conversations[session]
 
     async def turn(self, session: int, pcm16k: np.ndarray, realtime: bool = True) -> TurnTimes:

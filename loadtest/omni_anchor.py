@@ -62,7 +62,7 @@ REQUEST_S = 300
 
 
 @dataclass
-class Reply:
+class RequestTiming:
     """One request as the caller saw it (seconds from sending it)."""
 
     first_text_s: float | None = None
@@ -84,7 +84,7 @@ def wav_bytes(pcm16: np.ndarray, rate: int) -> bytes:
     return out.getvalue()
 
 
-def read_chunk(reply: Reply, chunk: dict[str, Any], at_s: float) -> None:
+def read_chunk(reply: RequestTiming, chunk: dict[str, Any], at_s: float) -> None:
     """Take one streamed chat-completion chunk. vLLM-Omni marks each with its modality; an
     audio chunk's content is a whole WAV file, base64. A failure after the stream began
     comes as a chunk of its own, {"error": {...}}, before [DONE]."""
@@ -146,11 +146,11 @@ def request_body(wav: bytes, reply_tokens: int, talker_tokens: int) -> dict[str,
     }
 
 
-async def ask(session: Any, url: str, body: dict[str, Any]) -> Reply:
+async def ask(session: Any, url: str, body: dict[str, Any]) -> RequestTiming:
     import aiohttp
     from aiohttp.http_exceptions import HttpProcessingError
 
-    reply = Reply()
+    reply = RequestTiming()
     t0 = time.perf_counter()
     try:
         async with session.post(url, json=body, timeout=REQUEST_S) as response:
@@ -171,20 +171,20 @@ async def ask(session: Any, url: str, body: dict[str, Any]) -> Reply:
     return reply
 
 
-async def load(url: str, callers: int, requests: int, body: dict[str, Any]) -> list[Reply]:
+async def load(url: str, callers: int, requests: int, body: dict[str, Any]) -> list[RequestTiming]:
     import aiohttp
 
     # an audio chunk is one SSE line holding a whole reply's WAV (non-async_chunk mode):
     # 5 s of 24 kHz audio is ~320 KB of base64, past aiohttp's default line limit at ~8 s
     async with aiohttp.ClientSession(read_bufsize=2**23) as session:
 
-        async def caller() -> list[Reply]:
+        async def caller() -> list[RequestTiming]:
             return [await ask(session, url, body) for _ in range(requests)]
 
         return [r for rs in await asyncio.gather(*(caller() for _ in range(callers))) for r in rs]
 
 
-def figures(replies: list[Reply], gpu_mib: int | None) -> dict[str, Any]:
+def figures(replies: list[RequestTiming], gpu_mib: int | None) -> dict[str, Any]:
     done = [r for r in replies if r.error is None]
     rtf = [r.last_audio_s / r.audio_s for r in done if r.last_audio_s is not None and r.audio_s > 0]
     return {

@@ -18,7 +18,7 @@ Message = dict[str, Any]  # an OpenAI chat message: role, content, tool_calls, t
 
 
 @dataclass
-class Conversation:
+class ChatHistory:
     """One session's chat history for the model: a system prompt, example exchanges that are
     not part of the history, and the last messages."""
 

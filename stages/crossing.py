@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from shm import Control, Ring
 from stages.bridge import RingToWire, WireToRing
 from stages.messages import STAGE_RESTARTED, Error, SessionClose
-from stages.rings import GATEWAY, Outbox, RingNames, RingSet, role_of
+from stages.rings import GATEWAY, RingNames, RingSet, RingWriter, role_of
 
 
 def fail_served_sessions(
@@ -30,7 +30,7 @@ def fail_served_sessions(
     reply. `opened`: the open sessions, where `control` does not hold them (a stage host's
     mirror: those its link from the gateway saw opened). Returns the sessions."""
     role = role_of(stage)
-    to_gateway = Outbox(ring, stage, gateway)
+    to_gateway = RingWriter(ring, stage, gateway)
     failed = []
     for session in control.open_sessions() if opened is None else sorted(opened):
         if names.instance_for(role, session) != stage:
@@ -48,7 +48,7 @@ def close_sessions(
 ) -> None:
     """`gateway` is lost to `stage`: each of its `sessions` is closed there (the reasoning
     stage aborts the request, freeing its KV blocks), through `ring` (gateway -> stage)."""
-    to_stage = Outbox(ring, gateway, stage)
+    to_stage = RingWriter(ring, gateway, stage)
     for session in sessions:
         to_stage.send(session, SessionClose(reason), timeout=1.0)
 

@@ -24,7 +24,7 @@ import msgspec
 
 from shm import epoch_older
 from stages.config import TINY_CHAT_MODEL, PipelineConfig, ReasoningConfig
-from stages.conversation import Conversation
+from stages.conversation import ChatHistory
 from stages.envelope import Envelope
 from stages.messages import (
     Cancel,
@@ -94,7 +94,7 @@ class Response:
     dropped: bool = False  # an early reply dropped: its task's last records go nowhere
 
     def record(
-        self, conversation: Conversation, text: str, tool_calls: list[ToolCall] | None = None
+        self, conversation: ChatHistory, text: str, tool_calls: list[ToolCall] | None = None
     ) -> None:
         if not self.recorded:
             self.recorded = True
@@ -103,7 +103,7 @@ class Response:
 
 @dataclass
 class SessionState:
-    conversation: Conversation
+    conversation: ChatHistory
     epoch: int  # the session's epoch when this state was made (see worker.ends_state)
     settings: SessionSettings = field(default_factory=SessionSettings)
     response: Response | None = None
@@ -404,9 +404,9 @@ class ReasoningStage(Stage):
             self.sessions[session] = state
         return state
 
-    def _new_conversation(self, instructions: str | None) -> Conversation:
+    def _new_conversation(self, instructions: str | None) -> ChatHistory:
         cfg = self.config.reasoning
-        return Conversation(
+        return ChatHistory(
             instructions or cfg.system_prompt,
             cfg.max_history_messages,
             examples=cfg.example_messages,

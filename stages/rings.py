@@ -202,7 +202,7 @@ class RingSet:
         self.control.close()
 
 
-class Outbox:
+class RingWriter:
     """The producing end of one ring, shared by a process's threads (SPSC needs one pusher at
     a time, so pushes take a lock)."""
 
@@ -248,9 +248,9 @@ class Ends:
     names: RingNames
     control: Control
     inputs: dict[str, Ring]
-    outputs: dict[str, Outbox]
+    outputs: dict[str, RingWriter]
 
-    def outbox(self, role: str, session: int) -> Outbox:
+    def outbox(self, role: str, session: int) -> RingWriter:
         """The outbox to the instance of `role` that serves `session`."""
         return self.outputs[self.names.instance_for(role, session)]
 
@@ -272,14 +272,14 @@ def attach_ends(names: RingNames, me: str) -> Ends:
     """Attach process `me` (an instance) to its rings."""
     control = Control.attach(names.control)
     inputs: dict[str, Ring] = {}
-    outputs: dict[str, Outbox] = {}
+    outputs: dict[str, RingWriter] = {}
     try:
         for src, dst in names.links:
             if dst == me:
                 inputs[src] = Ring.attach(names.ring(src, dst), control, role="consumer")
             elif src == me:
                 ring = Ring.attach(names.ring(src, dst), control, role="producer")
-                outputs[dst] = Outbox(ring, src, dst)
+                outputs[dst] = RingWriter(ring, src, dst)
                 ring.wake_yield = names.wake_yield
     except BaseException:
         for ring in [*inputs.values(), *(o.ring for o in outputs.values())]:

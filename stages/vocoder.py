@@ -98,7 +98,7 @@ def _load_talker(config: VocoderConfig) -> Voice:
 
 
 @dataclass
-class Reply:
+class SpokenReply:
     response_id: str
     epoch: int
     splitter: PhraseSplitter
@@ -157,7 +157,7 @@ class VocoderStage(QueuedStage):
     def load(self) -> dict[str, Any]:
         t0 = time.monotonic()
         self.voice = load_voice(self.config.vocoder)
-        self.replies: dict[int, Reply] = {}
+        self.replies: dict[int, SpokenReply] = {}
         self.batching: BatchingVoice | None = (
             self.voice if hasattr(self.voice, "advance") else None  # type: ignore[assignment]
         )
@@ -206,7 +206,7 @@ class VocoderStage(QueuedStage):
                 if not msg.audio:
                     return  # a text-only reply: nothing to say
                 cfg = self.config.vocoder
-                self.replies[s] = Reply(
+                self.replies[s] = SpokenReply(
                     msg.response_id,
                     env.epoch,
                     PhraseSplitter(cfg.first_phrase_words, cfg.max_phrase_words),
@@ -247,7 +247,7 @@ class VocoderStage(QueuedStage):
             close()
         super().close()
 
-    def _release(self, session: int, reply: Reply) -> None:
+    def _release(self, session: int, reply: SpokenReply) -> None:
         """Send what a held reply made, in order; from now on it is paced as it plays.
         Called on a reader thread or the model loop (HeldBack keeps the order)."""
 
@@ -261,14 +261,14 @@ class VocoderStage(QueuedStage):
         if reply.held is not None:
             reply.held.release(send)
 
-    def _to_gateway(self, session: int, reply: Reply, record: Msg | bytes) -> bool:
+    def _to_gateway(self, session: int, reply: SpokenReply, record: Msg | bytes) -> bool:
         """Send (or keep back, while the reply is held) a message or a piece of PCM16 audio;
         False once the session's epoch has moved past the reply."""
         if reply.held is not None and reply.held.keep(record):
             return True
         return self._send_now(session, reply, record)
 
-    def _send_now(self, session: int, reply: Reply, record: Msg | bytes) -> bool:
+    def _send_now(self, session: int, reply: SpokenReply, record: Msg | bytes) -> bool:
         if self.control.epoch(session) != reply.epoch:
             return False
         if isinstance(record, bytes):
@@ -303,7 +303,7 @@ class VocoderStage(QueuedStage):
             if not reply.holding and not reply.has_audio_to_make and reply.done_status is not None:
                 del self.replies[session]
                 self._to_gateway(session, reply, AudioDone(reply.response_id, reply.done_status))
-        ready: list[tuple[float, int, Reply]] = []
+        ready: list[tuple[float, int, SpokenReply]] = []
         for session, reply in self.replies.items():
             lead = reply.lead_s(now, rate)
             # a held reply waits for its release once it has made as much as may be ahead
@@ -333,13 +333,13 @@ class VocoderStage(QueuedStage):
             self._drop(session)
             self.error(session, "synthesis_failed", f"{type(exc).__name__}: {exc}")
 
-    def _reply_for(self, session: int, response_id: str) -> Reply | None:
+    def _reply_for(self, session: int, response_id: str) -> SpokenReply | None:
         reply = self.replies.get(session)
         if reply is None or reply.response_id != response_id:
             return None  # a reply we never saw start (its start was cancelled): ignore
         return reply
 
-    def _next_phrase(self, session: int, reply: Reply) -> tuple[str, Callable[[], bool]]:
+    def _next_phrase(self, session: int, reply: SpokenReply) -> tuple[str, Callable[[], bool]]:
         """Announce the reply's next phrase to the gateway; its text, and its `stop` test."""
         text, ready_ns = reply.pending.popleft()
         reply.first_phrase_ns = reply.first_phrase_ns or ready_ns
@@ -350,7 +350,7 @@ class VocoderStage(QueuedStage):
         # a cancel stops the engine within a step, before the CANCEL record is read
         return text, lambda: self.control.epoch(session) != epoch
 
-    def _speak_chunk(self, session: int, reply: Reply) -> None:
+    def _speak_chunk(self, session: int, reply: SpokenReply) -> None:
         """Synthesize the reply's next chunk (starting its next phrase if need be) and push it
         in pieces of at most 100 ms."""
         if reply.speaking is None:
@@ -366,7 +366,7 @@ class VocoderStage(QueuedStage):
             raise
         self._push(session, reply, chunk)
 
-    def _speak_together(self, group: list[tuple[int, Reply]]) -> None:
+    def _speak_together(self, group: list[tuple[int, SpokenReply]]) -> None:
         """The next block of every reply in ``group``, their decoder steps in one pass."""
         assert self.batching is not None
         streams = []
@@ -387,7 +387,7 @@ class VocoderStage(QueuedStage):
                 reply.speaking = None
             self._push(session, reply, block)
 
-    def _push(self, session: int, reply: Reply, chunk: np.ndarray) -> None:
+    def _push(self, session: int, reply: SpokenReply, chunk: np.ndarray) -> None:
         """Push ``chunk`` of the reply's audio to the gateway in pieces of at most 100 ms."""
         if not reply.samples and len(chunk):
             made_s = (time.monotonic_ns() - reply.first_phrase_ns) / 1e9

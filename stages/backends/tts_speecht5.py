@@ -274,11 +274,13 @@ class SpeechT5Voice:
             return
         yield from speak_by_blocks(self, text, stop, self._chunk_ms)
 
-    def begin(self, text: str, stop: Callable[[], bool] | None = None) -> PhraseStream:
+    def begin(self, text: str, stop: Callable[[], bool] | None = None) -> SpeechT5PhraseStream:
         """A phrase to speak a block at a time with `advance`; ``stop`` as in `synthesize`."""
-        return PhraseStream(collections.deque(_pieces(text, self.max_tokens)), stop or _never)
+        return SpeechT5PhraseStream(
+            collections.deque(_pieces(text, self.max_tokens)), stop or _never
+        )
 
-    def advance(self, streams: Sequence[PhraseStream]) -> list[np.ndarray]:
+    def advance(self, streams: Sequence[SpeechT5PhraseStream]) -> list[np.ndarray]:
         """The next block of int16 audio of each stream (empty while a block is still short of
         its right context), the streams' decoder steps run as one batch.
 
@@ -316,7 +318,7 @@ class SpeechT5Voice:
                 blocks[i] = block
         return blocks
 
-    def _next_piece(self, stream: PhraseStream) -> bool:
+    def _next_piece(self, stream: SpeechT5PhraseStream) -> bool:
         """Whether ``stream`` has decoding to do, starting its next piece if need be."""
         if stream.done:
             return False
@@ -344,7 +346,7 @@ class SpeechT5Voice:
         stream.vocoded = 0
         return True
 
-    def _segment(self, stream: PhraseStream) -> _Segment | None:
+    def _segment(self, stream: SpeechT5PhraseStream) -> _Segment | None:
         """What of the stream's spectrogram to vocode now, if anything; marks it vocoded.
 
         Frames that have their right context are due (all of them at a piece's end), with
@@ -397,7 +399,7 @@ class SpeechT5Voice:
             return float_to_pcm16(waveform.float().cpu().numpy())
 
 
-class PhraseStream:
+class SpeechT5PhraseStream:
     """A phrase being spoken by a `SpeechT5Voice`, a block per `advance`."""
 
     def __init__(self, pieces: collections.deque[str], stop: Callable[[], bool]) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import yaml
 
 from loadtest.omni_anchor import (
-    Reply,
+    RequestTiming,
     deploy_config,
     figures,
     read_chunk,
@@ -24,7 +24,7 @@ def chunk(modality: str, content: str | None) -> dict:
 
 
 def test_audio_chunks_are_timed_and_measured_as_whole_wav_files() -> None:
-    reply = Reply()
+    reply = RequestTiming()
     second = base64.b64encode(wav_bytes(np.zeros(24000, np.int16), 24000)).decode()
     read_chunk(reply, {"choices": []}, 0.05)  # the usage chunk at the end has none
     read_chunk(reply, chunk("text", "Hel"), 0.1)
@@ -33,13 +33,13 @@ def test_audio_chunks_are_timed_and_measured_as_whole_wav_files() -> None:
     read_chunk(reply, chunk("audio", second), 2.5)
     assert (reply.first_text_s, reply.first_audio_s, reply.last_audio_s) == (0.1, 1.5, 2.5)
     assert reply.audio_s == 2.0 and reply.audio_chunks == 2 and reply.rates == {24000}
-    out = figures([reply, Reply(error="HTTP 500: boom")], 1234)
+    out = figures([reply, RequestTiming(error="HTTP 500: boom")], 1234)
     assert out["completed"] == "1/2" and out["errors"] == ["HTTP 500: boom"]
     assert out["first_audio_ms"]["p50"] == 1500.0 and out["audio_rtf"]["p50"] == 1.25
 
 
 def test_a_failure_inside_the_stream_is_the_replys_error_in_the_servers_words() -> None:
-    reply = Reply()
+    reply = RequestTiming()
     read_chunk(reply, chunk("text", "Hel"), 0.1)
     read_chunk(reply, {"error": {"message": "talker: index out of range", "code": 500}}, 0.3)
     assert reply.error == "server: talker: index out of range"
@@ -80,7 +80,9 @@ def test_ours_stands_beside_vllm_omni_over_each_transport_at_each_load() -> None
             "cancel_ms": {"last_ack": {"p99": 4.5}},
         }
 
-    omni = figures([Reply(first_text_s=0.1, first_audio_s=0.6, last_audio_s=1.0, audio_s=5.0)], 9)
+    omni = figures(
+        [RequestTiming(first_text_s=0.1, first_audio_s=0.6, last_audio_s=1.0, audio_s=5.0)], 9
+    )
     results = {
         "machine": {"gpus": ["GPU 0: H200"]},
         "vllm_omni": {"1": omni, "8": omni},  # read back from results.json: string keys

@@ -50,7 +50,7 @@ class Epochs:
 
 
 class RecordingOutbox:
-    """Stands in for a stages.rings.Outbox: notes (session, record, epoch) in order, a record
+    """Stands in for a stages.rings.RingWriter: notes (session, record, epoch) in order, a record
     being a message or the bytes of a raw push (audio)."""
 
     def __init__(self, dst: str) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from stages.config import ReasoningConfig
-from stages.conversation import Conversation
+from stages.conversation import ChatHistory
 
 
 def test_examples_come_between_the_system_prompt_and_the_history_and_are_never_cut() -> None:
     config = ReasoningConfig.model_validate(
         {"examples": [{"user": "What color is grass?", "assistant": "Grass is green."}]}
     )
-    conversation = Conversation("be brief", max_messages=2, examples=config.example_messages)
+    conversation = ChatHistory("be brief", max_messages=2, examples=config.example_messages)
     for text in ("one", "two", "three"):
         conversation.add("user", text)
     prompt = conversation.prompt()
@@ -38,7 +38,7 @@ def words(prompt: list[dict[str, str]]) -> int:
 
 
 def test_a_long_history_is_fitted_to_the_context_oldest_first() -> None:
-    conversation = Conversation("be brief", max_messages=1000)
+    conversation = ChatHistory("be brief", max_messages=1000)
     for turn in range(200):
         conversation.add("user", f"question {turn} " + "word " * 20)
         conversation.add("assistant", f"answer {turn} " + "word " * 20)
@@ -52,7 +52,7 @@ def test_a_long_history_is_fitted_to_the_context_oldest_first() -> None:
 
 
 def test_a_prompt_that_fits_is_not_counted_and_nothing_is_dropped() -> None:
-    conversation = Conversation("be brief", max_messages=10)
+    conversation = ChatHistory("be brief", max_messages=10)
     conversation.add("user", "hello there")
 
     def never(prompt: list[dict[str, str]]) -> int:
@@ -63,7 +63,7 @@ def test_a_prompt_that_fits_is_not_counted_and_nothing_is_dropped() -> None:
 
 
 def test_one_message_longer_than_the_context_keeps_its_end() -> None:
-    conversation = Conversation("be brief", max_messages=10)
+    conversation = ChatHistory("be brief", max_messages=10)
     conversation.add("user", "old question")
     conversation.add("user", " ".join(f"w{i}" for i in range(5000)) + " the end")
     conversation.fit(None, words, budget=300)

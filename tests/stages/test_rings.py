@@ -8,16 +8,16 @@ import pytest
 
 from shm import Control, Ring, segment_name
 from stages.messages import TextDelta, Transcript, decode
-from stages.rings import Outbox
+from stages.rings import RingWriter
 
 
 @pytest.fixture
-def outbox() -> Iterator[tuple[Outbox, Ring, Control]]:
+def outbox() -> Iterator[tuple[RingWriter, Ring, Control]]:
     with (
         Control.create(segment_name("test-ctl"), 64) as control,
         Ring.create(segment_name("test-ring"), 1 << 16, control=control) as ring,
     ):
-        yield Outbox(ring, "encoder", "reasoning"), ring, control
+        yield RingWriter(ring, "encoder", "reasoning"), ring, control
 
 
 def test_a_cancel_keeps_a_turns_final_transcript_and_purges_the_rest(outbox) -> None:
