@@ -20,8 +20,9 @@ from gateway.calls import MULTIPROCESS, Gateway
 from gateway.config import OmniConfig
 from gateway.cors import add_cors
 from gateway.hosts import FORWARDED_HOST, verify
-from gateway.http_errors import openai_error, openai_shaped_errors
+from gateway.http_errors import OpenAIError, openai_shaped_errors
 from gateway.json_input import parse_json
+from gateway.page import add_page_routes
 from gateway.protocol import ProtocolError
 from gateway.siblings import FORWARDED, VOUCHED, client_address, host_of_call
 from gateway.websocket import serve_websocket, websocket_response
@@ -54,21 +55,23 @@ async def _in_time(request: web.Request, reading: Awaitable[T]) -> T:
         ) from None
 
 
-def _authorize(request: web.Request, *, allow_ephemeral: bool = True) -> Grant | web.Response:
+def _authorize(request: web.Request, *, allow_ephemeral: bool = True) -> Grant:
+    """The caller's grant; a 429 for an address throttled for wrong keys, a 401 for a wrong
+    or missing key."""
     gateway = request.app[GATEWAY_KEY]
     address = client_address(request)
     try:
         gateway.admission.check_auth_rate(address)
         return gateway.auth.check(request, allow_ephemeral=allow_ephemeral)
     except TooManyCalls as exc:
-        return _too_many(gateway, exc, count=False)
+        raise _too_many(gateway, exc, count=False) from None
     except AuthError as exc:
         gateway.admission.auth_failed(address)
-        return openai_error(401, str(exc), code=exc.code)
+        raise OpenAIError(401, str(exc), code=exc.code) from None
 
 
-def _not_ready() -> web.Response:
-    return openai_error(
+def _not_ready() -> OpenAIError:
+    return OpenAIError(
         503,
         "the stage workers are not ready",
         code="not_ready",
@@ -77,9 +80,10 @@ def _not_ready() -> web.Response:
     )
 
 
-def _full(gateway: Gateway, exc: Exception) -> web.Response:
+def _full(gateway: Gateway, exc: Exception) -> OpenAIError:
+    """The refusal of a call when every session is taken, counted."""
     gateway.metrics.sessions_refused.inc()
-    return openai_error(
+    return OpenAIError(
         503,
         f"too many calls: {exc}",
         code="capacity",
@@ -88,10 +92,10 @@ def _full(gateway: Gateway, exc: Exception) -> web.Response:
     )
 
 
-def _too_many(gateway: Gateway, exc: TooManyCalls, count: bool = True) -> web.Response:
+def _too_many(gateway: Gateway, exc: TooManyCalls, count: bool = True) -> OpenAIError:
     if count:  # a refused call (not a throttled key)
         gateway.metrics.sessions_refused.inc()
-    return openai_error(
+    return OpenAIError(
         429,
         str(exc),
         code="rate_limit_exceeded",
@@ -100,26 +104,27 @@ def _too_many(gateway: Gateway, exc: TooManyCalls, count: bool = True) -> web.Re
     )
 
 
-def _refused(exc: ProtocolError) -> web.Response:
-    return openai_error(400, str(exc), code=exc.code, param=exc.param)
+def _refused(exc: ProtocolError) -> OpenAIError:
+    return OpenAIError(400, str(exc), code=exc.code, param=exc.param)
 
 
 async def _answer(
     request: web.Request, sdp: str, grant: Grant, session: dict[str, Any] | None = None
-) -> tuple[str, str] | web.Response:
+) -> tuple[str, str]:
+    """The call's id and SDP answer to `sdp`."""
     gateway = request.app[GATEWAY_KEY]
     if not gateway.is_ready():
-        return _not_ready()
+        raise _not_ready()
     try:
         return await gateway.answer(sdp, grant, session, client_address(request))
     except SessionsFull as exc:
-        return _full(gateway, exc)
+        raise _full(gateway, exc) from None
     except TooManyCalls as exc:
-        return _too_many(gateway, exc)
+        raise _too_many(gateway, exc) from None
     except ProtocolError as exc:
-        return _refused(exc)
+        raise _refused(exc) from None
     except ValueError as exc:
-        return openai_error(400, str(exc), code="invalid_sdp")
+        raise OpenAIError(400, str(exc), code="invalid_sdp") from None
 
 
 def _form_text(field: Any) -> str | None:
@@ -134,7 +139,7 @@ def _form_text(field: Any) -> str | None:
     return None
 
 
-async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None] | web.Response:
+async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None]:
     """The `sdp` and optional `session` (JSON) fields of a multipart/form-data offer, the
     shape OpenAI's SDKs send when they configure the session with the call."""
     try:
@@ -142,23 +147,25 @@ async def _offer_form(request: web.Request) -> tuple[str, dict[str, Any] | None]
     except web.HTTPException:
         raise  # a body over the size limit: 413
     except Exception as exc:  # aiohttp's multipart reader fails in many ways on bad bodies
-        return openai_error(
+        raise OpenAIError(
             400, f"unreadable multipart/form-data body: {exc}", code="invalid_request"
-        )
+        ) from None
     try:
         sdp, session = _form_text(form.get("sdp")), _form_text(form.get("session"))
     except UnicodeDecodeError:
-        return openai_error(400, "the form's fields must be UTF-8 text", code="invalid_request")
+        raise OpenAIError(
+            400, "the form's fields must be UTF-8 text", code="invalid_request"
+        ) from None
     if sdp is None:
-        return openai_error(400, "the form needs an 'sdp' field", code="invalid_sdp")
+        raise OpenAIError(400, "the form needs an 'sdp' field", code="invalid_sdp")
     if session is None:
         return sdp, None
     try:
         parsed = parse_json(session, "the 'session' field")
     except ProtocolError as exc:
-        return _refused(exc)
+        raise _refused(exc) from None
     if not isinstance(parsed, dict):
-        return openai_error(400, "'session' must be a JSON object", code="invalid_value")
+        raise OpenAIError(400, "'session' must be a JSON object", code="invalid_value")
     return sdp, parsed
 
 
@@ -171,14 +178,14 @@ async def from_other_hosts(
     if FORWARDED_HOST in request.headers:
         member = request.app[GATEWAY_KEY].member
         if member is None:
-            return openai_error(
+            raise OpenAIError(
                 403, "forwarded by a gateway host, but this gateway is in no cluster",
                 code="forbidden",
             )  # fmt: skip
         try:
             request[VOUCHED] = verify(member.secret, request, await _read_body(request)) or ""
         except PermissionError as exc:
-            return openai_error(403, str(exc), code="forbidden")
+            raise OpenAIError(403, str(exc), code="forbidden") from None
     return await handler(request)
 
 
@@ -202,8 +209,8 @@ async def _to_least_loaded(request: web.Request) -> web.Response | None:
 
 async def _to_holder(request: web.Request, call_id: str) -> web.Response | None:
     """A request for a call this process does not hold: the answer of the host or sibling
-    process that does, a 404 when it is on a host that does not answer; None when nobody
-    else holds it either."""
+    process that does; None when nobody else holds it either. A 404 when it is on a host
+    that does not answer."""
     gateway = request.app[GATEWAY_KEY]
     host = host_of_call(call_id)
     if gateway.hosts is not None and host is not None and host != gateway.hosts.member.host:
@@ -211,7 +218,7 @@ async def _to_holder(request: web.Request, call_id: str) -> web.Response | None:
             return None  # forwarded once already
         holder = gateway.hosts.table.host(host)
         if holder is None:
-            return openai_error(
+            raise OpenAIError(
                 404, f"no such call: gateway host {host}, which held it, is not answering",
                 code="not_found",
             )  # fmt: skip
@@ -225,33 +232,25 @@ async def _to_holder(request: web.Request, call_id: str) -> web.Response | None:
 async def realtime_calls(request: web.Request) -> web.Response:
     """POST /v1/realtime/calls: SDP offer in, 201 with the SDP answer and Location out."""
     grant = _authorize(request)
-    if isinstance(grant, web.Response):
-        return grant
     if (forwarded := await _to_least_loaded(request)) is not None:
         return forwarded
     session = None
     if request.content_type == "multipart/form-data":
-        form = await _offer_form(request)
-        if isinstance(form, web.Response):
-            return form
-        sdp, session = form
+        sdp, session = await _offer_form(request)
     elif request.content_type == "application/sdp":
         body = await _read_body(request)
         try:
             sdp = body.decode()
         except UnicodeDecodeError:
-            return openai_error(400, "the SDP offer is not UTF-8 text", code="invalid_sdp")
+            raise OpenAIError(400, "the SDP offer is not UTF-8 text", code="invalid_sdp") from None
     else:
-        return openai_error(
+        raise OpenAIError(
             415,
             "Content-Type must be application/sdp (or multipart/form-data with sdp and "
             f"session), not {request.content_type!r}",
             code="unsupported_media_type",
         )
-    result = await _answer(request, sdp, grant, session)
-    if isinstance(result, web.Response):
-        return result
-    call_id, answer = result
+    call_id, answer = await _answer(request, sdp, grant, session)
     return web.Response(
         status=201,
         text=answer,
@@ -263,41 +262,36 @@ async def realtime_calls(request: web.Request) -> web.Response:
 async def offer(request: web.Request) -> web.Response:
     """POST /offer: aiortc-style JSON {sdp, type} in, JSON {sdp, type, call_id} out."""
     grant = _authorize(request)
-    if isinstance(grant, web.Response):
-        return grant
     if (forwarded := await _to_least_loaded(request)) is not None:
         return forwarded
     if request.content_type != "application/json":
-        return openai_error(
+        raise OpenAIError(
             415, "Content-Type must be application/json", code="unsupported_media_type"
         )
     try:
         data = parse_json(await _read_body(request))
     except ProtocolError as exc:
-        return _refused(exc)
+        raise _refused(exc) from None
     if (
         not isinstance(data, dict)
         or data.get("type") != "offer"
         or not isinstance(data.get("sdp"), str)
     ):
-        return openai_error(400, 'expected {"type": "offer", "sdp": "..."}', code="invalid_offer")
-    result = await _answer(request, data["sdp"], grant)
-    if isinstance(result, web.Response):
-        return result
-    call_id, answer = result
+        raise OpenAIError(400, 'expected {"type": "offer", "sdp": "..."}', code="invalid_offer")
+    call_id, answer = await _answer(request, data["sdp"], grant)
     return web.json_response({"type": "answer", "sdp": answer, "call_id": call_id})
 
 
 async def hang_up(request: web.Request) -> web.Response:
     """DELETE /v1/realtime/calls/{call_id}, or POST .../hangup (the GA SDK's)."""
-    grant = _authorize(request)
-    if isinstance(grant, web.Response):
-        return grant
+    _authorize(request)
     gateway = request.app[GATEWAY_KEY]
     call = gateway.calls.get(request.match_info["call_id"])
     if call is None:
         elsewhere = await _to_holder(request, request.match_info["call_id"])
-        return elsewhere or openai_error(404, "no such call", code="not_found")
+        if elsewhere is None:
+            raise OpenAIError(404, "no such call", code="not_found")
+        return elsewhere
     await call.close("hung up by the client")
     return web.Response(status=204 if request.method == "DELETE" else 200)
 
@@ -305,35 +299,33 @@ async def hang_up(request: web.Request) -> web.Response:
 async def realtime_websocket(request: web.Request) -> web.StreamResponse:
     """GET /v1/realtime?model=...: a Realtime session over a WebSocket."""
     grant = _authorize(request)
-    if isinstance(grant, web.Response):
-        return grant
     gateway = request.app[GATEWAY_KEY]
     if "call_id" in request.query:
-        return openai_error(
+        raise OpenAIError(
             400,
             "joining a WebRTC call's events over a WebSocket (call_id) is not supported",
             code="unsupported",
             param="call_id",
         )
     if request.query.get("intent", "conversation") != "conversation":
-        return openai_error(
+        raise OpenAIError(
             400,
             "transcription-only sessions are not supported",
             code="unsupported",
             param="intent",
         )
     if not gateway.is_ready():
-        return _not_ready()
+        raise _not_ready()
     try:
         call = gateway.open_session(
             "sess", grant, request.query.get("model"), client_address(request)
         )
     except SessionsFull as exc:
-        return _full(gateway, exc)
+        raise _full(gateway, exc) from None
     except TooManyCalls as exc:
-        return _too_many(gateway, exc)
+        raise _too_many(gateway, exc) from None
     except ProtocolError as exc:
-        return _refused(exc)
+        raise _refused(exc) from None
     ws = websocket_response()
     try:
         await ws.prepare(request)
@@ -349,7 +341,7 @@ async def twilio_stream(request: web.Request) -> web.StreamResponse:
     call; its key comes in the stream's parameters, checked at its start (gateway.twilio)."""
     gateway = request.app[GATEWAY_KEY]
     if not gateway.is_ready():
-        return _not_ready()
+        raise _not_ready()
     ws = web.WebSocketResponse(max_msg_size=twilio.MAX_MESSAGE_BYTES, heartbeat=30)
     await ws.prepare(request)
     await twilio.serve_stream(gateway, request, ws, client_address(request))
@@ -358,9 +350,7 @@ async def twilio_stream(request: web.Request) -> web.StreamResponse:
 
 async def client_secrets(request: web.Request) -> web.Response:
     """POST /v1/realtime/client_secrets: mint an ephemeral `ek_` key for a browser."""
-    grant = _authorize(request, allow_ephemeral=False)
-    if isinstance(grant, web.Response):
-        return grant
+    _authorize(request, allow_ephemeral=False)
     gateway = request.app[GATEWAY_KEY]
     body = await _read_body(request)
     try:
@@ -390,11 +380,11 @@ async def client_secrets(request: web.Request) -> web.Response:
             raise ProtocolError("session must be an object", param="session")
         config = gateway.check_session_config(session)
     except ProtocolError as exc:
-        return _refused(exc)
+        raise _refused(exc) from None
     try:
         secret = gateway.auth.mint(session, ttl)
     except ValueError as exc:
-        return openai_error(400, str(exc), code="session_too_large", param="session")
+        raise OpenAIError(400, str(exc), code="session_too_large", param="session") from None
     return web.json_response(
         {
             "value": secret.value,
@@ -406,29 +396,27 @@ async def client_secrets(request: web.Request) -> web.Response:
 
 async def audio_speech(request: web.Request) -> web.StreamResponse:
     """POST /v1/audio/speech: the vocoder alone, streamed."""
-    grant = _authorize(request, allow_ephemeral=False)
-    if isinstance(grant, web.Response):
-        return grant
+    _authorize(request, allow_ephemeral=False)
     gateway = request.app[GATEWAY_KEY]
     try:
         fields = speech.parse_request(
             parse_json(await _read_body(request)), gateway.config.vocoder.voice
         )
     except ProtocolError as exc:
-        return _refused(exc)
+        raise _refused(exc) from None
     if not gateway.is_ready():
-        return _not_ready()
+        raise _not_ready()
     try:
         speech_request = gateway.open_speech_request()
     except SessionsFull as exc:
-        return _full(gateway, exc)
+        raise _full(gateway, exc) from None
     try:
         return await speech.respond(request, speech_request, fields)
     except (TimeoutError, RuntimeError) as exc:
         logger.error("speech request failed: %s", exc)
-        return openai_error(
+        raise OpenAIError(
             500, f"synthesis failed: {exc}", code="vocoder_error", type_="server_error"
-        )
+        ) from None
     finally:
         gateway.close_speech_request(speech_request)
 
@@ -455,7 +443,7 @@ async def metrics(request: web.Request) -> web.Response:
     try:
         gateway.scrape_auth.check(request)
     except AuthError as exc:
-        return openai_error(401, str(exc), code=exc.code)
+        raise OpenAIError(401, str(exc), code=exc.code) from None
     gateway.update_ring_metrics()
     if MULTIPROCESS:  # every gateway process's figures, summed
         registry = CollectorRegistry()
@@ -466,15 +454,19 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(
+def build_app(
     config: OmniConfig,
     names: RingNames,
     vocoder_rate: int,
     is_ready: Callable[[], bool],
+    *,
+    page: bool = True,
     **process: Any,
 ) -> web.Application:
-    """The app of one gateway process; `process`: Gateway's instance, socket_dir and
-    signing_key, for a service of several, and member, for a host of a cluster."""
+    """The whole app of one gateway process, the first or another (gateway.gateway_process):
+    the Realtime endpoints, health, metrics, CORS and with `page` the demo page at /.
+    `process`: Gateway's instance, socket_dir and signing_key, for a service of several, and
+    member, for a host of a cluster."""
     app = web.Application(
         client_max_size=MAX_SDP_BYTES,
         middlewares=[openai_shaped_errors, from_other_hosts],
@@ -485,7 +477,7 @@ def create_app(
     gateway = Gateway(config, names, vocoder_rate, is_ready, **process)
     gateway.auth.announce(f"http://{config.gateway.host}:{config.gateway.port}")
     app[GATEWAY_KEY] = gateway
-    add_cors(app, config.gateway.cors, openai_error)
+    add_cors(app, config.gateway.cors)
     app.cleanup_ctx.append(gateway.lifecycle)
     app.router.add_post("/v1/realtime/calls", realtime_calls)
     app.router.add_delete("/v1/realtime/calls/{call_id}", hang_up)
@@ -502,6 +494,8 @@ def create_app(
         app.router.add_get(twilio.PATH, twilio_stream)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    if page:
+        add_page_routes(app)
     return app
 
 

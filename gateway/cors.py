@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import hdrs, web
 
 from gateway.config import CorsConfig
+from gateway.http_errors import OpenAIError
 
 # the calls, their hang-ups, client secrets; GET /v1/realtime is a WebSocket, which browsers
 # open across origins without asking
@@ -35,7 +36,6 @@ HEADERS = (
 STAINLESS = "x-stainless-"
 EXPOSED = "Location, Retry-After"
 
-ErrorResponse = Callable[..., web.Response]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -68,9 +68,8 @@ class CorsPolicy:
         }
 
 
-def add_cors(app: web.Application, config: CorsConfig, error: ErrorResponse) -> None:
-    """Answer preflights to the Realtime endpoints and mark their answers; `error` makes the
-    gateway's error responses (status, message, code=...)."""
+def add_cors(app: web.Application, config: CorsConfig) -> None:
+    """Answer preflights to the Realtime endpoints and mark their answers."""
     policy = CorsPolicy(config)
 
     @web.middleware
@@ -84,7 +83,7 @@ def add_cors(app: web.Application, config: CorsConfig, error: ErrorResponse) -> 
         ):
             return await handler(request)
         if not policy.allows(origin):
-            return error(
+            raise OpenAIError(
                 403,
                 f"origin {origin!r} may not call this gateway from a browser: add it to "
                 "gateway.cors.allowed_origins",

@@ -17,11 +17,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, create_app
+from gateway.app import GATEWAY_KEY, build_app
 from gateway.config import OmniConfig
 from gateway.hosts import ClusterMember
 from gateway.media import prepare_media
-from gateway.page import add_page_routes
 from gateway.siblings import socket_path
 from stages.rings import RingNames
 
@@ -60,7 +59,7 @@ async def _serve_process(
     spec: GatewayProcessSpec, config: OmniConfig, is_ready: Callable[[], bool], conn: Connection
 ) -> None:
     prepare_media(config)
-    app = create_app(
+    app = build_app(
         config,
         spec.names,
         spec.vocoder_rate,
@@ -70,7 +69,6 @@ async def _serve_process(
         signing_key=spec.signing_key,
         member=spec.member,
     )
-    add_page_routes(app)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     stop = asyncio.Event()

@@ -10,16 +10,14 @@ import logging
 import secrets
 import signal
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, create_app
+from gateway.app import GATEWAY_KEY, build_app
 from gateway.config import OmniConfig
 from gateway.gateway_process import GatewayProcessSpec
 from gateway.hosts import ClusterMember
 from gateway.media import prepare_media
-from gateway.page import add_page_routes
 from gateway.pool import GatewayPool
 from gateway.siblings import socket_path
 from stages.rings import GATEWAY
@@ -31,14 +29,6 @@ logger = logging.getLogger(__name__)
 
 def vocoder_rate(supervisor: Supervisor) -> int:
     return int(supervisor.stage_info("vocoder")["sample_rate"])
-
-
-def build_app(config: OmniConfig, supervisor: Supervisor, **process: Any) -> web.Application:
-    app = create_app(
-        config, supervisor.names, vocoder_rate(supervisor), lambda: supervisor.healthy, **process
-    )
-    add_page_routes(app)  # the demo page at /
-    return app
 
 
 async def serve(
@@ -88,7 +78,9 @@ async def gateway_processes(
     with owned_temporary("omni-gateway-") as socket_dir:
         app = build_app(
             config,
-            supervisor,
+            supervisor.names,
+            vocoder_rate(supervisor),
+            lambda: supervisor.healthy,
             instance=GATEWAY,
             socket_dir=socket_dir,
             signing_key=signing_key,

@@ -33,11 +33,12 @@ from aiortc.codecs.opus import OpusDecoder, OpusEncoder
 from av import AudioFrame
 
 from gateway import aiortc_tuning
+from gateway.app import build_app
 from gateway.config import load_config
 from gateway.media import prepare_media
 from gateway.opus import OpuslibDecoder, OpuslibEncoder, opus_rate_for
 from gateway.resample import CALLER_RATE, Downmixer, Upsampler
-from gateway.server import build_app
+from gateway.server import vocoder_rate
 from loadtest.voices import spoken
 from stages.supervisor import Supervisor
 
@@ -146,7 +147,9 @@ async def _load_run(
 
     prepare_media(config)
     aiortc_tuning.apply(config.gateway.audio_prefetch, codec)  # for the calls made now
-    runner = web.AppRunner(build_app(config, supervisor))
+    runner = web.AppRunner(
+        build_app(config, supervisor.names, vocoder_rate(supervisor), lambda: supervisor.healthy)
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)

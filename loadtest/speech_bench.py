@@ -22,9 +22,10 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from gateway.app import build_app
 from gateway.config import load_config
 from gateway.media import prepare_media
-from gateway.server import build_app
+from gateway.server import vocoder_rate
 from stages.supervisor import Supervisor
 
 TEXTS = {
@@ -62,7 +63,11 @@ async def run(config_path: Path, repeat: int) -> dict:
     with Supervisor(config) as supervisor:
         supervisor.start()
         prepare_media(config)
-        runner = web.AppRunner(build_app(config, supervisor))
+        runner = web.AppRunner(
+            build_app(
+                config, supervisor.names, vocoder_rate(supervisor), lambda: supervisor.healthy
+            )
+        )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

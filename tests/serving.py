@@ -14,11 +14,11 @@ import aiohttp
 from aiohttp import web
 
 from gateway import aiortc_tuning
-from gateway.app import create_app
+from gateway.app import build_app
 from gateway.config import OmniConfig, load_config
 from gateway.ice import restrict_host_addresses
 from gateway.media import prepare_media
-from gateway.server import build_app
+from gateway.server import vocoder_rate
 from stages.rings import RingNames, RingSet
 from stages.supervisor import Supervisor
 
@@ -66,7 +66,7 @@ async def serving_gateway(
 ) -> AsyncIterator[tuple[str, web.Application]]:
     """Yield (base URL, app); afterwards the process-wide media settings are restored."""
     prepare_media(config)
-    app = build_app(config, supervisor)
+    app = build_app(config, supervisor.names, vocoder_rate(supervisor), lambda: supervisor.healthy)
     try:
         async with serving(app) as base:
             yield base, app
@@ -86,7 +86,7 @@ async def serving_gateway_alone(
     rings = RingSet(names, config)
     try:
         prepare_media(config)
-        app = create_app(config, names, 22050, lambda: True, **process)
+        app = build_app(config, names, 22050, lambda: True, page=False, **process)
         async with serving(app) as base:
             yield base, app
     finally:
