@@ -24,18 +24,17 @@ from gateway.metrics import GatewayMetrics
 from gateway.opus import opus_rate_for
 from gateway.playout import PLAYOUT_RATE
 from gateway.protocol import SessionConfig, TurnDetection
-from gateway.resample import CALLER_RATE
 from gateway.session import RealtimeSession
 from gateway.siblings import Siblings, call_id
 from gateway.speech import SpeechRequest
 from gateway.tools import check_servers
 from gateway.trace import StageTrace
 from gateway.tracing import Tracing
-from gateway.turn_models import TurnModels
+from gateway.turns.models import TurnModels
 from gateway.webrtc import WebRTCTransport
 from stages.envelope import Envelope
 from stages.link import PipelineLink, SessionsFull
-from stages.messages import CancelAck
+from stages.messages import CALLER_RATE, CancelAck
 from stages.rings import GATEWAY, RingNames
 from stages.stops import made_stale
 from stages.tasks import cancel_and_wait
@@ -136,7 +135,7 @@ class Gateway:
                 self.tracing = Tracing(self.config.gateway.tracing, self.instance)
                 # after the calls are closed (their turns end then): the last spans go out
                 cleanup.push_async_callback(_logged_async, asyncio.to_thread(self.tracing.shutdown))
-            self.turn_models = TurnModels(self.config.gateway)
+            self.turn_models = TurnModels(self.config.gateway.turns)
             cleanup.callback(_logged, self.turn_models.close)
             self.link = PipelineLink(self.names, self._on_stage_event, self.instance)
             cleanup.callback(_logged, self.link.close)
@@ -155,10 +154,10 @@ class Gateway:
             if MULTIPROCESS:
                 rings = asyncio.create_task(self._update_ring_metrics(), name="ring-metrics")
                 cleanup.push_async_callback(_logged_async, cancel_and_wait(rings))
-            if self.config.gateway.gc_freeze:
+            if self.config.gateway.media.gc_freeze:
                 frozen = freeze_startup_objects()
                 logger.info("%d objects of the start-up exempt from garbage collection", frozen)
-            stall_ms = self.config.gateway.stall_report_ms
+            stall_ms = self.config.gateway.media.stall_report_ms
             watch = self.watch = LoopWatch(
                 self.metrics.loop_lag,
                 self.metrics.gc_pause,
@@ -204,7 +203,7 @@ class Gateway:
             voice=self.config.vocoder.voice,
             model=self.config.reasoning.model,
             instructions=self.config.reasoning.system_prompt,
-            turn_detection=TurnDetection(**gw.turn_detection.model_dump()),
+            turn_detection=TurnDetection(**gw.turns.detection.model_dump()),
             max_output_tokens=gw.max_output_tokens or "inf",
         )
 
@@ -243,12 +242,8 @@ class Gateway:
             self.metrics,
             config,
             on_closed=self._forget,
-            hold_on_voice=gw.barge_in_hold,
-            prepare_reply_ms=gw.prepare_reply_ms,
+            turns=gw.turns,
             turn_models=models,
-            end_of_turn_pause_ms=gw.end_of_turn_pause_ms,
-            end_of_turn_sure=gw.end_of_turn_sure,
-            interruptions=gw.interruptions,
             tracing=self.tracing,
             tools=gw.tools,
         )

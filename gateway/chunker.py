@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["CHUNK_SAMPLES", "Chunker"]
+from stages.messages import CHUNK_SAMPLES
 
-CHUNK_SAMPLES = 3_200  # 200 ms at 16 kHz: the AUDIO_IN record of the gateway → encoder ring
+__all__ = ["Chunker"]
 
 
 class Chunker:

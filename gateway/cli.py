@@ -143,7 +143,7 @@ def _start(args: argparse.Namespace, config: Any) -> int:
     ScrapeAuth(config.gateway.metrics)
     if config.gateway.tracing.otlp_endpoint is not None:
         export_headers(config.gateway.tracing)
-    if config.gateway.opus == "opuslib":
+    if config.experiments.opus == "opuslib":
         opuslib()
     if config.cluster is not None:
         _check_cluster_packages()
@@ -200,13 +200,14 @@ def cmd_say_file(args: argparse.Namespace) -> int:
     from stages.audio import read_wav, resample, write_wav
     from stages.driver import speak_turn
     from stages.link import EventQueues, PipelineLink
+    from stages.messages import CALLER_RATE
     from stages.supervisor import Supervisor
 
     # nobody listens in real time here: let the vocoder synthesize as fast as it can
     config = load_config(args.config, {"vocoder.max_lead_ms": 600_000})
     _check_models(config)
     pcm, rate = read_wav(args.wav)
-    pcm16k = resample(pcm, rate, 16000)
+    pcm16k = resample(pcm, rate, CALLER_RATE)
     with Supervisor(config, log_level=logging.getLogger().level) as supervisor:
         supervisor.start(progress=_progress)
         events = EventQueues()
@@ -217,8 +218,8 @@ def cmd_say_file(args: argparse.Namespace) -> int:
             link.close_session(session)
         finally:
             link.close()
-    write_wav(args.out, result.pcm16, result.sample_rate or 16000)
-    seconds = len(result.pcm16) / (result.sample_rate or 16000)
+    write_wav(args.out, result.pcm16, result.sample_rate or CALLER_RATE)
+    seconds = len(result.pcm16) / (result.sample_rate or CALLER_RATE)
     report = {
         "transcript": result.transcript,
         "reply": result.reply_text,

@@ -10,30 +10,87 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from stages.config import ClusterConfig, PipelineConfig, Strict
+from stages.config import ClusterConfig, EncoderConfig, PipelineConfig, Strict
 
 MAX_OUTPUT_TOKENS = 4096  # a reply's cap in the Realtime API's max_output_tokens
 
 
 class TurnDetectionConfig(Strict):
-    """Defaults of OpenAI's turn detection for new calls (session.update changes them).
+    """A new session's turn detection (OpenAI's `audio.input.turn_detection`, which
+    session.update changes). `server_vad` ends a turn after `silence_duration_ms` of silence;
+    `semantic_vad` asks the end-of-turn models once the caller pauses (`end_of_turn`)."""
 
-    `server_vad` ends a turn after `silence_duration_ms` of silence. `semantic_vad` asks the
-    end-of-turn model (GatewayConfig.end_of_turn) once the caller has paused: a turn that
-    sounds finished ends then, one that sounds cut off waits up to the eagerness's maximum
-    (low 8 s, medium 4 s, high 2 s; auto is medium), and one it is unsure of ends after
-    `silence_duration_ms`, as server_vad's would."""
+    type: Literal["server_vad", "semantic_vad"] = Field(
+        "server_vad", description="server_vad: a silence window; semantic_vad: on meaning"
+    )
+    threshold: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="how clearly a frame must be speech: webrtcvad's mode by quarters, or "
+        "Silero's probability",
+    )
+    prefix_padding_ms: int = Field(
+        300, ge=0, le=2000, description="audio before the detected start that the turn keeps"
+    )
+    silence_duration_ms: int = Field(
+        500, ge=20, le=5000, description="silence after the last speech that ends a turn"
+    )
+    create_response: bool = Field(True, description="a turn that ends is answered")
+    interrupt_response: bool = Field(True, description="the caller's speech stops the agent")
+    eagerness: Literal["low", "medium", "high", "auto"] = Field(
+        "auto",
+        description="semantic_vad: how soon a turn ends; a turn that sounds cut off waits up "
+        "to 8 s (low), 4 s (medium) or 2 s (high); auto is medium",
+    )
+    idle_timeout_ms: int | None = Field(
+        None,
+        ge=1000,
+        le=600_000,
+        description="server_vad: no audio from the caller this long after the agent's reply "
+        "was heard commits an empty turn and answers it (input_audio_buffer.timeout_triggered)",
+    )
 
-    type: Literal["server_vad", "semantic_vad"] = "server_vad"
-    threshold: float = Field(0.5, ge=0.0, le=1.0)
-    prefix_padding_ms: int = Field(300, ge=0, le=2000)
-    silence_duration_ms: int = Field(500, ge=20, le=5000)
-    create_response: bool = True
-    interrupt_response: bool = True
-    eagerness: Literal["low", "medium", "high", "auto"] = "auto"
-    # no audio from the caller this long after the agent's last reply was heard: the turn is
-    # committed empty and answered (input_audio_buffer.timeout_triggered); server_vad only
-    idle_timeout_ms: int | None = Field(None, ge=1000, le=600_000)
+
+class VadConfig(Strict):
+    """The per-frame speech classifier under the turn detector."""
+
+    classifier: Literal["webrtc", "silero"] = Field(
+        "webrtc", description="webrtcvad, or Silero VAD on ONNX (`silero_model`)"
+    )
+    silero_model: str = Field(
+        "bundled:silero-vad", description="Silero's ONNX model: a folder, a file or bundled:NAME"
+    )
+
+
+class EndOfTurnConfig(Strict):
+    """semantic_vad's models: one on the sound of the turn (in each gateway process) and one on
+    its words (in the encoder stage, on the encoder's device)."""
+
+    model: str = Field(
+        "bundled:smart-turn-v3.2",
+        description="the sound model (Smart Turn v3): a folder holding model.onnx, or a file",
+    )
+    words_model: str | None = Field(
+        "bundled:smollm2-135m-instruct",
+        description="a small chat model (a Hugging Face id, a local folder, or bundled:NAME) "
+        "that judges at the caller's pause whether their words so far end the turn "
+        "(stages.backends.words_end_turn); null: the sound alone decides",
+    )
+    ask_after_ms: int = Field(
+        200,
+        ge=20,
+        le=2000,
+        description="the caller's silence after which the models are asked whether the turn "
+        "is over",
+    )
+    sure: float = Field(
+        0.95,
+        ge=0.5,
+        le=1.0,
+        description="the sound model's probability from which the turn ends without waiting "
+        "for the words (1.0: always wait); words that came first still decide",
+    )
 
 
 BACKCHANNELS = [
@@ -52,18 +109,27 @@ BACKCHANNELS = [
 ]
 
 
-class InterruptionConfig(Strict):
-    """What the caller's voice over the agent does (with turn_detection.interrupt_response).
+class InterruptionsConfig(Strict):
+    """What the caller's voice over the agent does (with detection.interrupt_response).
 
     `immediate`: the agent stops at the first voiced frames, and the reply is cancelled in
-    every stage once the VAD calls it speech (60 ms in). `provisional`: the agent is paused
-    at the same moment, its audio held where it stopped, and the reply goes on being made;
-    once the caller's sound ends, its transcript decides: no words, or only backchannels,
-    and the agent resumes where it paused; words that count, and the reply is cut there and
-    the caller's words answered. Speech that goes on for `confirm_ms` is an interruption
-    without waiting for its words."""
+    every stage once the VAD calls it speech (60 ms in). `provisional`: the agent is paused at
+    the same moment, its audio held where it stopped, and the reply goes on being made; once
+    the caller's sound ends, its transcript decides: no words, or only backchannels, and the
+    agent resumes where it paused; words that count, and the reply is cut there and the
+    caller's words answered. Speech that goes on for `confirm_ms` is an interruption without
+    waiting for its words. Only a transport that plays the agent's audio out itself (WebRTC,
+    the phone) can pause it; a WebSocket session's are immediate."""
 
-    policy: Literal["immediate", "provisional"] = "immediate"
+    policy: Literal["immediate", "provisional"] = Field(
+        "provisional", description="immediate: any speech cuts; provisional: words decide"
+    )
+    hold_on_voice: bool = Field(
+        True,
+        description="silence the agent from the caller's first voiced frame until the VAD "
+        "decides (onset, 60 ms later) whether they are talking over it: a barge-in is heard to "
+        "stop that much sooner; a false start costs a moment of silence, nothing is dropped",
+    )
     backchannels: list[str] = Field(
         default_factory=lambda: list(BACKCHANNELS),
         description="words that do not interrupt on their own (hums such as mm, hmm, uh are "
@@ -78,6 +144,25 @@ class InterruptionConfig(Strict):
     )
     confirm_ms: int = Field(
         1000, ge=100, le=5000, description="voiced time over the agent that interrupts"
+    )
+
+
+class TurnsConfig(Strict):
+    """Turn-taking: detection, the classifier, semantic_vad's models, interruptions, and the
+    reply made at the caller's pause."""
+
+    detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
+    vad: VadConfig = Field(default_factory=VadConfig)
+    end_of_turn: EndOfTurnConfig = Field(default_factory=EndOfTurnConfig)
+    interruptions: InterruptionsConfig = Field(default_factory=InterruptionsConfig)
+    prepare_reply_ms: int = Field(
+        150,
+        ge=0,
+        le=5000,
+        description="silence inside a turn after which the stages start on the reply (final "
+        "transcript, first tokens) while the VAD waits out the silence window; held back until "
+        "the turn ends, dropped if the caller goes on. 0: off; only values under "
+        "silence_duration_ms do anything",
     )
 
 
@@ -322,28 +407,10 @@ class TelephonyConfig(Strict):
     )
 
 
-class GatewayConfig(Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    max_calls: int = Field(
-        32,
-        ge=1,
-        description="calls the whole service takes (split evenly over the processes); "
-        "beyond it, new calls get 503 + Retry-After",
-    )
-    processes: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="gateway processes sharing the port (SO_REUSEPORT) and the stage workers; "
-        "one core's worth of calls each",
-    )
-    ice_servers: list[str] = Field(default_factory=list, description="stun:/turn: URLs")
-    ice_host_addresses: list[str] | None = Field(
-        None,
-        description="offer only these host candidates (e.g. [127.0.0.1]); default: all "
-        "interfaces but loopback, as aioice does",
-    )
+class MediaConfig(Strict):
+    """How a gateway process carries its calls' audio: aiortc's jitter buffer and sockets, and
+    the event loop that every call on the process shares."""
+
     audio_prefetch: int = Field(
         0,
         ge=0,
@@ -372,32 +439,29 @@ class GatewayConfig(Strict):
         description="when set, log the event loop's stack each time it is held this long "
         "(every call's audio waits while it is): what to fix, caught in the act",
     )
-    audio_decode: Literal["loop", "thread"] = Field(
-        "loop",
-        description="where caller audio is decoded: on the event loop as each packet completes "
-        "a frame, or on a thread per call as aiortc does (each packet then crosses to it and "
-        "back, which costs the loop more than the decode)",
+
+
+class GatewayConfig(Strict):
+    host: str = Field("127.0.0.1", description="the address to serve on")
+    port: int = Field(8080, ge=0, le=65535, description="the port (0: any free one)")
+    max_calls: int = Field(
+        32,
+        ge=1,
+        description="calls the whole service takes (split evenly over the processes); "
+        "beyond it, new calls get 503 + Retry-After",
     )
-    opus: Literal["opuslib", "aiortc"] = Field(
-        "opuslib",
-        description="Opus for WebRTC media: libopus at the pipeline's rates (16 kHz mono in, "
-        "the vocoder's rate out, no resampling), or aiortc's own (48 kHz stereo both ways)",
+    processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="gateway processes sharing the port (SO_REUSEPORT) and the stage workers; "
+        "one core's worth of calls each",
     )
-    barge_in_hold: bool = Field(
-        True,
-        description="while the agent speaks, silence it from the caller's first voiced frame "
-        "until the VAD decides (onset, 60 ms later) whether they are talking over it: a "
-        "barge-in is heard to stop that much sooner; a false start costs a moment of silence, "
-        "nothing is dropped",
-    )
-    prepare_reply_ms: int = Field(
-        0,
-        ge=0,
-        le=5000,
-        description="silence inside a turn after which the stages start on the reply (final "
-        "transcript, first tokens) while the VAD waits out silence_duration_ms; held back until "
-        "the turn ends, dropped if the caller goes on. 0: off; only values under "
-        "silence_duration_ms do anything",
+    ice_servers: list[str] = Field(default_factory=list, description="stun:/turn: URLs")
+    ice_host_addresses: list[str] | None = Field(
+        None,
+        description="offer only these host candidates (e.g. [127.0.0.1]); default: all "
+        "interfaces but loopback, as aioice does",
     )
     trace_dir: str | None = Field(
         None,
@@ -405,7 +469,6 @@ class GatewayConfig(Strict):
         "samples), stamped with when it arrived, to TRACE_DIR/<process>.trace: for latency "
         "analysis (gateway.trace; loadtest.gpu_run reads them). Off by default",
     )
-    turn_detection: TurnDetectionConfig = Field(default_factory=TurnDetectionConfig)
     max_output_tokens: int | None = Field(
         None,
         ge=1,
@@ -413,32 +476,8 @@ class GatewayConfig(Strict):
         description="a new session's max_output_tokens (session.update and response.create "
         "change it); unset: 'inf', each reply capped by reasoning.sampling.max_tokens",
     )
-    voice_activity: Literal["webrtc", "silero"] = Field(
-        "webrtc",
-        description="the VAD's per-frame classifier: webrtcvad, or Silero VAD on ONNX "
-        "(`silero_model`)",
-    )
-    silero_model: str = "bundled:silero-vad"
-    end_of_turn: str = Field(
-        "bundled:smart-turn-v3.2",
-        description="semantic_vad's end-of-turn model: a folder holding model.onnx, or a file",
-    )
-    end_of_turn_pause_ms: int = Field(
-        200,
-        ge=20,
-        le=2000,
-        description="semantic_vad: the caller's silence after which the end-of-turn model is "
-        "asked whether their turn is over",
-    )
-    end_of_turn_sure: float = Field(
-        0.95,
-        ge=0.5,
-        le=1.0,
-        description="semantic_vad: the end-of-turn model's probability from which the turn "
-        "ends without waiting for the encoder's judgement of the words (1.0: always wait). "
-        "Words that came first still decide",
-    )
-    interruptions: InterruptionConfig = Field(default_factory=InterruptionConfig)
+    turns: TurnsConfig = Field(default_factory=TurnsConfig)
+    media: MediaConfig = Field(default_factory=MediaConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)
@@ -481,6 +520,21 @@ class OmniConfig(PipelineConfig):
         None, description="stages placed on other hosts by Ray; unset: every stage here"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _words_model_to_the_encoder(cls, data: Any) -> Any:
+        """semantic_vad's words model is a gateway.turns key that the encoder stage loads: the
+        stages, which see only their own sections, are given it as encoder.end_of_turn_words."""
+        if not isinstance(data, dict):
+            return data
+        words = _words_model(data.get("gateway"))
+        encoder = data.get("encoder")
+        if isinstance(encoder, EncoderConfig):
+            encoder = encoder.model_copy(update={"end_of_turn_words": words})
+        elif isinstance(encoder, dict) or encoder is None:
+            encoder = {**(encoder or {}), "end_of_turn_words": words}
+        return {**data, "encoder": encoder}
+
     @model_validator(mode="after")
     def _sessions_for_every_process(self) -> OmniConfig:
         if self.max_sessions < self.gateway.processes:
@@ -494,6 +548,51 @@ class OmniConfig(PipelineConfig):
     def max_calls_per_process(self) -> int:
         """Each gateway process's share of gateway.max_calls (rounded up)."""
         return -(-self.gateway.max_calls // self.gateway.processes)
+
+
+def _words_model(gateway: Any) -> str | None:
+    """gateway.turns.end_of_turn.words_model as given (a model or its dict), or its default."""
+    if isinstance(gateway, GatewayConfig):
+        return gateway.turns.end_of_turn.words_model
+    default = EndOfTurnConfig.model_fields["words_model"].default
+    node: Any = gateway
+    for key in ("turns", "end_of_turn"):
+        if isinstance(node, dict):
+            node = node.get(key)
+        elif isinstance(node, (TurnsConfig, EndOfTurnConfig, GatewayConfig)):
+            node = getattr(node, key)
+        else:
+            return default
+    if isinstance(node, EndOfTurnConfig):
+        return node.words_model
+    if isinstance(node, dict):
+        return node.get("words_model", default)
+    return default
+
+
+# Keys of earlier configurations, and where each lives now: a file that still uses one is
+# refused, naming the new key, rather than have its setting silently dropped or defaulted.
+_EXPERIMENT = " (a benchmark's override, not a configuration file's)"
+MOVED_KEYS = {
+    "gateway.turn_detection": "gateway.turns.detection",
+    "gateway.interruptions": "gateway.turns.interruptions",
+    "gateway.voice_activity": "gateway.turns.vad.classifier",
+    "gateway.silero_model": "gateway.turns.vad.silero_model",
+    "gateway.end_of_turn": "gateway.turns.end_of_turn.model",
+    "gateway.end_of_turn_pause_ms": "gateway.turns.end_of_turn.ask_after_ms",
+    "gateway.end_of_turn_sure": "gateway.turns.end_of_turn.sure",
+    "gateway.barge_in_hold": "gateway.turns.interruptions.hold_on_voice",
+    "gateway.prepare_reply_ms": "gateway.turns.prepare_reply_ms",
+    "encoder.end_of_turn_words": "gateway.turns.end_of_turn.words_model",
+    "gateway.audio_prefetch": "gateway.media.audio_prefetch",
+    "gateway.udp_reads_per_wake": "gateway.media.udp_reads_per_wake",
+    "gateway.gc_freeze": "gateway.media.gc_freeze",
+    "gateway.stall_report_ms": "gateway.media.stall_report_ms",
+    "gateway.opus": "experiments.opus" + _EXPERIMENT,
+    "gateway.audio_decode": "experiments.audio_decode" + _EXPERIMENT,
+    "rings.wake_yield": "experiments.wake_yield" + _EXPERIMENT,
+    "mps_thread_percent": "experiments.mps_thread_percent" + _EXPERIMENT,
+}
 
 
 class ConfigError(ValueError):
@@ -512,6 +611,9 @@ def parse_config(data: Any, source: str = "config") -> OmniConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, not {type(data).__name__}")
+    if moved := [f"  {old}: moved to {new}" for old, new in MOVED_KEYS.items() if _has(data, old)]:
+        lines = "\n".join(moved)
+        raise ConfigError(f"{source}: keys of an earlier configuration:\n{lines}")
     try:
         return OmniConfig.model_validate(data)
     except ValidationError as exc:
@@ -530,10 +632,24 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Om
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if isinstance(data, dict) and "experiments" in data:
+        raise ConfigError(
+            f"{path}: experiments: the benchmarks' comparisons, not a configuration's: they "
+            "are set as overrides only (load_config's, a benchmark's --set)"
+        )
     for dotted, value in (overrides or {}).items():
         data = data if isinstance(data, dict) else {}
         set_dotted(data, dotted, value)
     return parse_config(data, str(path))
+
+
+def _has(data: dict[str, Any], dotted: str) -> bool:
+    node: Any = data
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import av
 import numpy as np
 
-from gateway.resample import CALLER_RATE, Upsampler
+from gateway.resample import Upsampler
+from stages.messages import CALLER_RATE
 
 RATE = 8_000
 FRAME_BYTES = RATE // 50  # 20 ms: one byte a sample

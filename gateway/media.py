@@ -10,11 +10,11 @@ from gateway.ice import restrict_host_addresses
 
 def prepare_media(config: OmniConfig) -> None:
     """Process-wide aiortc/aioice settings; before the first peer connection."""
-    gateway = config.gateway
+    media, experiments = config.gateway.media, config.experiments
     aiortc_tuning.apply(
-        gateway.audio_prefetch,
-        gateway.opus,
-        gateway.udp_reads_per_wake,
-        decode_on_loop=gateway.audio_decode == "loop",
+        media.audio_prefetch,
+        experiments.opus,
+        media.udp_reads_per_wake,
+        decode_on_loop=experiments.audio_decode == "loop",
     )
-    restrict_host_addresses(gateway.ice_host_addresses)
+    restrict_host_addresses(config.gateway.ice_host_addresses)

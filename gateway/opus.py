@@ -41,7 +41,7 @@ class OpusUnavailable(ValueError):
 
 
 def opuslib() -> ModuleType:
-    """The opuslib module, imported on first use: a gateway on `gateway.opus: aiortc` and
+    """The opuslib module, imported on first use: a gateway on `experiments.opus: aiortc` and
     without the audio/opus format runs where libopus is not installed.
 
     Without a system libopus (Debian's libopus0), opuslib is pointed at the libopus that
@@ -63,7 +63,7 @@ def opuslib() -> ModuleType:
 def _unavailable(exc: Exception) -> OpusUnavailable:
     return OpusUnavailable(
         f"libopus through opuslib is not available ({exc}): install Debian's libopus0 "
-        "and the opuslib package (scripts/setup.sh does both), or set gateway.opus: aiortc"
+        "and the opuslib package (scripts/setup.sh does both)"
     )
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import av
 import numpy as np
 
-__all__ = ["CALLER_RATE", "PLAYOUT_RATE", "Downmixer", "Upsampler"]
+from stages.messages import CALLER_RATE
 
-CALLER_RATE = 16_000  # what the VAD and the encoder stage consume
+__all__ = ["PLAYOUT_RATE", "Downmixer", "Upsampler"]
+
 PLAYOUT_RATE = 48_000  # Opus' native rate; aiortc's encoder takes it without resampling again
 
 

@@ -57,12 +57,12 @@ class WebSocketTransport:
         if reply.playback_start is None:
             self.resampler.reset()
             if kind == OPUS:
-                self.session.opus.reset()
+                self.session.intake.opus.reset()
             if kind in G711_FORMATS:
-                self.session.g711(kind).reset()
+                self.session.intake.g711(kind).reset()
             reply.playback_start = time.monotonic()
         if kind in G711_FORMATS:  # from the vocoder's rate straight to 8 kHz
-            self._g711_delta(reply, self.session.g711(kind).encode(pcm))
+            self._g711_delta(reply, self.session.intake.g711(kind).encode(pcm))
             return
         self._delta(reply, self.resampler.convert(pcm))
 
@@ -72,9 +72,9 @@ class WebSocketTransport:
 
     def _delta(self, reply: Reply, pcm24k: np.ndarray, last: bool = False) -> None:
         if self.session.config.output_format == OPUS:  # one 20 ms packet per delta
-            payloads = self.session.opus.encode(pcm24k)
+            payloads = self.session.intake.opus.encode(pcm24k)
             if last:
-                payloads += self.session.opus.flush()
+                payloads += self.session.intake.opus.flush()
         else:
             payloads = [pcm24k.astype("<i2").tobytes()] if len(pcm24k) else []
         for payload in payloads:
@@ -83,7 +83,7 @@ class WebSocketTransport:
     def audio_end(self, reply: Reply) -> None:
         kind = self.session.config.output_format
         if kind in G711_FORMATS:
-            self._g711_delta(reply, self.session.g711(kind).flush())
+            self._g711_delta(reply, self.session.intake.g711(kind).flush())
             return
         self._delta(reply, self.resampler.flush(), last=True)
 
@@ -95,9 +95,9 @@ class WebSocketTransport:
         self.resampler.reset()
         kind = self.session.config.output_format
         if kind == OPUS:
-            self.session.opus.reset()
+            self.session.intake.opus.reset()
         if kind in G711_FORMATS:
-            self.session.g711(kind).reset()
+            self.session.intake.g711(kind).reset()
 
     def hold(self, held: bool) -> None:
         """The client plays (and holds) the audio it was sent; nothing to pause here."""

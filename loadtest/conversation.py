@@ -201,7 +201,7 @@ def run_conversations(
     opus: str = "opuslib",
 ) -> list[dict[str, Any]]:
     """Entry point for a spawned process: `n` callers, each `turns` turns; `opus` is the
-    callers' codec, as the gateway's `gateway.opus` (aiortc where there is no opuslib)."""
+    callers' codec, as the gateway's `experiments.opus` (aiortc where there is no opuslib)."""
     aiortc_tuning.apply(audio_prefetch, opus=opus)
     restrict_host_addresses(["127.0.0.1"])
     return asyncio.run(

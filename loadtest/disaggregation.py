@@ -45,10 +45,10 @@ import numpy as np
 
 from loadtest.gpu_run import log, summary
 from loadtest.voices import spoken
+from stages.messages import CALLER_RATE, CHUNK_SAMPLES
 from stages.tasks import cancel_and_wait
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
-CHUNK_SAMPLES = 3200  # 200 ms at 16 kHz, as the gateway's chunker sends
 QUESTION = "what is the weather like today in paris"
 #: SpeechT5 between the tests' tiny one and the real 144 M one (768 wide, 6+6 layers): heavy
 #: enough on a CPU that a phrase takes a few hundred ms, light enough for 2 cores.
@@ -181,7 +181,7 @@ class MonolithicPipeline:
             for chunk in chunks(pcm16k):
                 stream.feed(chunk)
                 # a live caller's next 200 ms; without it, other sessions still get a turn
-                await asyncio.sleep(CHUNK_SAMPLES / 16000 if realtime else 0)
+                await asyncio.sleep(CHUNK_SAMPLES / CALLER_RATE if realtime else 0)
             times.speech_stopped = time.monotonic_ns()
             times.transcript_text = stream.finish()
         finally:

@@ -14,10 +14,10 @@ table, and states the machine.
 
     python -m loadtest.gateway_scaling --processes 1,2 --loads 4,8,12 --turns 3
 
-`--barge-in-hold both` runs each count with gateway.barge_in_hold off, then on, to measure the
-barge-in it saves (the agent silenced at the caller's first voiced frame instead of at the
-VAD's onset decision). `--set KEY=V1,V2` (repeatable) runs each count with any other config key
-at each value, e.g. `--set gateway.udp_reads_per_wake=1,32`.
+`--barge-in-hold both` runs each count with gateway.turns.interruptions.hold_on_voice off, then
+on, to measure the barge-in it saves (the agent silenced at the caller's first voiced frame
+instead of at the VAD's onset decision). `--set KEY=V1,V2` (repeatable) runs each count with any
+other config key at each value, e.g. `--set gateway.media.udp_reads_per_wake=1,32`.
 
 On a GPU machine, `--layout one` runs loadtest.gpu_run's layout instead of a config file, on
 the random-weight models of real shapes it builds (or finds) in `--models-root`.
@@ -65,10 +65,12 @@ def config_for(
     settings: tuple[tuple[str, Any], ...] = (),
 ) -> Path:
     """A config file: `data` with `processes` gateway processes taking `max_calls` calls,
-    gateway.barge_in_hold set to `hold`, and any other keys as `settings` say (validated)."""
+    gateway.turns.interruptions.hold_on_voice set to `hold`, and any other keys as `settings`
+    say (validated)."""
     data = copy.deepcopy(data)
     gateway = data.setdefault("gateway", {})
-    gateway |= {"processes": processes, "max_calls": max_calls, "barge_in_hold": hold}
+    gateway |= {"processes": processes, "max_calls": max_calls}
+    set_dotted(data, "gateway.turns.interruptions.hold_on_voice", hold)
     data["max_sessions"] = max(data.get("max_sessions", 64), max_calls + 2 * processes)
     for key, value in settings:
         set_dotted(data, key, value)
@@ -334,15 +336,17 @@ def main(argv: list[str] | None = None) -> int:
         "--barge-in-hold",
         choices=("on", "off", "both"),
         default="on",
-        help="gateway.barge_in_hold; both: each process count with it off, then on",
+        help="gateway.turns.interruptions.hold_on_voice; both: each process count with it off, "
+        "then on",
     )
-    add_set_argument(parser, "gateway.udp_reads_per_wake=1,32")
+    add_set_argument(parser, "gateway.media.udp_reads_per_wake=1,32")
     parser.add_argument("--per-process", type=int, default=4, help="callers per process")
     parser.add_argument("--out", type=Path, default=Path("out/gateway-scaling"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     config, described = base_config(args)
-    opus, silence_ms = config.gateway.opus, config.gateway.turn_detection.silence_duration_ms
+    opus = config.experiments.opus
+    silence_ms = config.gateway.turns.detection.silence_duration_ms
     results: dict[str, Any] = {
         "benchmark": "gateway_scaling",
         "date": datetime.date.today().isoformat(),

@@ -326,7 +326,7 @@ def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str,
                     hops[name] = (t[b] - t[a]) / 1e6
             if model_ns is not None and all(name in hops for name in model_ns):
                 # model time on the path is at most its hop: a reply prepared at the caller's
-                # pause (gateway.prepare_reply_ms) made its first token before the turn ended
+                # pause (gateway.turns.prepare_reply_ms) made its first token before the turn ended
                 model_ms = {n: min(max(ns / 1e6, 0.0), hops[n]) for n, ns in model_ns.items()}
                 hops["model"] = sum(model_ms.values())
                 # what is left of each hop once its model time is out: rings, queues, the
@@ -585,7 +585,7 @@ async def measure_layout(
         # with several gateway processes the loads' records come from all of their traces
         trace_dir = config.gateway.trace_dir
         records = tap if trace_dir is None else Traces(Path(trace_dir))
-        callers = Callers(base, config.gateway.opus, transport)
+        callers = Callers(base, config.experiments.opus, transport)
         return await _measure_loads(
             callers, gateway, tap, records, config, supervisor, speech, args
         )
@@ -594,7 +594,7 @@ async def measure_layout(
 @dataclass(frozen=True)
 class Callers:
     """How a layout's callers reach its gateway: its URL, their transport (TRANSPORTS), and
-    WebRTC's Opus coder (the gateway's `gateway.opus`)."""
+    WebRTC's Opus coder (the gateway's `experiments.opus`)."""
 
     base: str
     opus: str
@@ -614,7 +614,7 @@ async def _measure_loads(
     speech: np.ndarray,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    silence_ms = config.gateway.turn_detection.silence_duration_ms
+    silence_ms = config.gateway.turns.detection.silence_duration_ms
     out: dict[str, Any] = {"loads": {}, "inter_token": {}}
     log(f"warm-up: one caller over {callers.transport}, two turns (not counted)")
     await callers.run(1, speech, 2)
@@ -763,11 +763,11 @@ class Variant:
         if self.sharing is not None:
             overrides["gpu_sharing"] = self.sharing
         if self.prepare_ms is not None:
-            overrides["gateway.prepare_reply_ms"] = self.prepare_ms
+            overrides["gateway.turns.prepare_reply_ms"] = self.prepare_ms
         if self.vocoder_dtype is not None:
             overrides["vocoder.options.dtype"] = self.vocoder_dtype
         if self.thread_shares is not None:
-            overrides["mps_thread_percent"] = dict(self.thread_shares.shares)
+            overrides["experiments.mps_thread_percent"] = dict(self.thread_shares.shares)
         if self.gateway_processes is not None:
             overrides["gateway.processes"] = self.gateway_processes
         overrides |= setting_overrides(self.settings)
@@ -1077,7 +1077,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prepare-reply",
         type=ints,
         default=[None],
-        help="gateway.prepare_reply_ms variants to run side by side, e.g. 0,200 (0: off)",
+        help="gateway.turns.prepare_reply_ms variants to run side by side, e.g. 0,200 (0: off)",
     )
     parser.add_argument(
         "--vocoder-dtype",
@@ -1089,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mps-threads",
         type=lambda s: [ThreadShares.parse(v) for v in s.split(",") if v],
         default=[None],
-        help="MPS SM-share variants to run side by side (mps_thread_percent), e.g. "
+        help="MPS SM-share variants to run side by side (experiments.mps_thread_percent), e.g. "
         "none,reasoning=60:vocoder=40",
     )
     parser.add_argument(

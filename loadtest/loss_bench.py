@@ -11,7 +11,7 @@ one clock). Variants, all with aiortc's own Opus so only the receive buffer diff
 - `aiortc`: stock, a 4-frame prefetch, and a lost packet waited for until 16 more came, after
   which the frames queued behind it stay queued;
 - `prefetch 1`: a one-frame prefetch with aiortc's wait for a lost packet;
-- `gateway`: `gateway.aiortc_tuning` as the gateway runs it (`gateway.audio_prefetch`'s
+- `gateway`: `gateway.aiortc_tuning` as the gateway runs it (`gateway.media.audio_prefetch`'s
   default: 0, each frame handed on as it arrives), a lost packet given up after two more.
 Prints JSON and a table, and states the machine.
 """
@@ -37,7 +37,7 @@ from aiortc.mediastreams import MediaStreamError
 from av import AudioFrame
 
 from gateway import aiortc_tuning
-from gateway.config import GatewayConfig
+from gateway.config import MediaConfig
 from gateway.ice import restrict_host_addresses
 from loadtest.gpu_run import log, summary
 from loadtest.report import machine
@@ -162,7 +162,7 @@ def variant(name: str) -> Iterator[None]:
         if name == "aiortc":
             aiortc_tuning.restore()
         else:
-            gateway = GatewayConfig.model_fields["audio_prefetch"].default
+            gateway = MediaConfig.model_fields["audio_prefetch"].default
             aiortc_tuning.apply(1 if name == "prefetch 1" else gateway, opus="aiortc")
             if name == "prefetch 1":
                 buffer.LATE_PACKETS = 1 << 16  # never give up before the buffer is full

@@ -1,5 +1,5 @@
 """aiortc's Opus (48 kHz stereo, resampled both ways) against libopus at the pipeline's rates
-(gateway.opus), side by side in one run:
+(experiments.opus), side by side in one run:
 
 1. per 20 ms frame, on this machine: the receive path (decode, then get 16 kHz mono) and the
    send path (the vocoder's 22,050 Hz to Opus packets), CPU time and the delay the resampling
@@ -37,9 +37,10 @@ from gateway.app import build_app
 from gateway.config import load_config
 from gateway.media import prepare_media
 from gateway.opus import OpuslibDecoder, OpuslibEncoder, opus_rate_for
-from gateway.resample import CALLER_RATE, Downmixer, Upsampler
+from gateway.resample import Downmixer, Upsampler
 from gateway.server import vocoder_rate
 from loadtest.voices import spoken
+from stages.messages import CALLER_RATE
 from stages.supervisor import Supervisor
 
 VOCODER_RATE = 22_050  # espeak-ng's
@@ -146,7 +147,7 @@ async def _load_run(
     from loadtest.conversation import run_conversations
 
     prepare_media(config)
-    aiortc_tuning.apply(config.gateway.audio_prefetch, codec)  # for the calls made now
+    aiortc_tuning.apply(config.gateway.media.audio_prefetch, codec)  # for the calls made now
     runner = web.AppRunner(
         build_app(config, supervisor.names, vocoder_rate(supervisor), lambda: supervisor.healthy)
     )

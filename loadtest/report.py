@@ -234,17 +234,17 @@ async def measure(config: Any, supervisor: Any, clips: list[np.ndarray], args: A
         out: dict[str, Any] = {"loads": {}, "resources": samples}
         try:
             log("warm-up: one caller, two turns (not counted)")
-            await run_callers(base, 1, clips, 2, opus=config.gateway.opus)
+            await run_callers(base, 1, clips, 2, opus=config.experiments.opus)
             await calls_gone(gateway)
             after_warm_up = len(samples)
-            silence_ms = config.gateway.turn_detection.silence_duration_ms
+            silence_ms = config.gateway.turns.detection.silence_duration_ms
             for n in args.loads:
                 log(f"{n} caller(s), {args.turns} turns each (max_calls {args.max_calls})")
                 mark, sample_mark = len(tap.seen), len(samples)
                 cpu0, t0 = procs.cpu_s(), time.monotonic()
                 try:
                     reports = await run_callers(
-                        base, n, clips, args.turns, config.gateway.opus, args.per_process
+                        base, n, clips, args.turns, config.experiments.opus, args.per_process
                     )
                     figures = load_report(
                         n,

@@ -131,7 +131,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=4, help="calls of each kind for the CPU")
     parser.add_argument("--seconds", type=float, default=30, help="each call listens so long")
     parser.add_argument(
-        "--policies", default="immediate,provisional", help="gateway.interruptions.policy, each"
+        "--policies",
+        default="immediate,provisional",
+        help="gateway.turns.interruptions.policy, each",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -143,7 +145,7 @@ def main() -> None:
     phone: dict[str, Any] = {}
     cpu: dict[str, Any] = {}
     for policy in args.policies.split(","):
-        gw.setdefault("interruptions", {})["policy"] = policy
+        gw.setdefault("turns", {}).setdefault("interruptions", {})["policy"] = policy
         with tempfile.TemporaryDirectory() as tmp:
             config = Path(tmp) / "telephony-bench.yaml"
             config.write_text(yaml.safe_dump(data))

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.config import TracingConfig
+from gateway.config import TracingConfig, TurnsConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SessionConfig
 from gateway.session import RealtimeSession
@@ -100,6 +100,8 @@ def _session(tracing: Tracing | None) -> RealtimeSession:
         GatewayMetrics(),
         SessionConfig(voice="v"),
         lambda call: None,
+        # the reply made once a turn ends, any sound over the agent cutting it, as measured
+        turns=TurnsConfig(prepare_reply_ms=0, interruptions={"policy": "immediate"}),
         tracing=tracing,
     )
     session.bind(Speaker())  # type: ignore[arg-type]

@@ -471,8 +471,8 @@ def variant_config(variant: str, args: Any, chosen: tuple[tuple[str, Any], ...] 
     policy, _, classifier = variant.partition(":")
     settings = {
         "gateway.port": 0,
-        "gateway.interruptions.policy": policy,
-        "gateway.voice_activity": classifier or "webrtc",
+        "gateway.turns.interruptions.policy": policy,
+        "gateway.turns.vad.classifier": classifier or "webrtc",
         "reasoning.sampling.max_tokens": 200,
         "reasoning.sampling.ignore_eos": True,
         **setting_overrides(chosen),
@@ -514,7 +514,7 @@ async def run_variant(
                 # each caller's first turn on a fresh service is slow (1.3-1.7 s on the H200,
                 # whatever the turn detection): one question each first, not counted
                 log(f"{shown}: warm-up, {callers} caller(s), one question each")
-                opus, per_process = config.gateway.opus, args.callers_per_process
+                opus, per_process = config.experiments.opus, args.callers_per_process
                 warm_up, td0 = clips[:1], TURN_DETECTIONS[0]
                 await _run_callers(base, callers, warm_up, td0, opus, per_process, in_step=True)
                 for td in args.turn_detections:
@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         "together (the stages' worst case); by default each plays it in an order of its own, "
         f"starting within {START_SPREAD_S:g} s of the others",
     )
-    add_set_argument(parser, "gateway.prepare_reply_ms=120,80")
+    add_set_argument(parser, "gateway.turns.prepare_reply_ms=120,80")
     args = parser.parse_args(argv)
     if not args.turn_detections or set(args.turn_detections) - set(TURN_DETECTIONS):
         parser.error(f"--turn-detections {args.turn_detections}: of {', '.join(TURN_DETECTIONS)}")

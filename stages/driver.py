@@ -10,9 +10,7 @@ import numpy as np
 
 from stages.envelope import Envelope
 from stages.link import EventQueues, PipelineLink
-from stages.messages import Kind
-
-CHUNK_SAMPLES = 3200  # 200 ms at 16 kHz
+from stages.messages import CALLER_RATE, CHUNK_SAMPLES, Kind
 
 
 class TurnFailed(RuntimeError):
@@ -66,7 +64,7 @@ def push_speech(
         if not link.send_audio(session, pcm16_16k[start : start + CHUNK_SAMPLES]):
             raise TurnFailed("the encoder's ring stayed full")
         if realtime:
-            time.sleep(CHUNK_SAMPLES / 16000)  # pacing a live caller, not synchronisation
+            time.sleep(CHUNK_SAMPLES / CALLER_RATE)  # pacing a live caller, not synchronisation
     return link.speech_stopped(session, turn_id)
 
 

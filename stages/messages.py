@@ -13,10 +13,19 @@ from typing import Any
 
 import msgspec
 
+# The caller's audio as the gateway hears it and the AUDIO_IN record carries it to the
+# encoder: PCM16 mono at CALLER_RATE, read by the gateway's VAD in frames of FRAME_MS and sent
+# in chunks of CHUNK_MS (a turn's last chunk is shorter).
+CALLER_RATE = 16_000
+FRAME_MS = 20
+FRAME_SAMPLES = CALLER_RATE * FRAME_MS // 1000  # 320
+CHUNK_MS = 200
+CHUNK_SAMPLES = CALLER_RATE * CHUNK_MS // 1000  # 3,200
+
 
 class Kind(enum.IntEnum):
     # gateway -> encoder
-    AUDIO_IN = 1  # raw PCM16 mono 16 kHz, usually 200 ms
+    AUDIO_IN = 1  # raw PCM16 mono at CALLER_RATE, CHUNK_MS a record but for a turn's last
     SPEECH_STARTED = 2
     SPEECH_STOPPED = 3
     TURN_PAUSED = 4  # the caller paused: prepare the reply, hold it until SPEECH_STOPPED
@@ -63,7 +72,7 @@ class SpeechStopped(Msg):
     audio_end_ms: int = 0
     create_response: bool = True
     # the caller spoke over the agent, and the gateway decides from the transcript whether
-    # that was an interruption (gateway.session.interruption): reasoning is not sent it
+    # that was an interruption (gateway.turns.interruption): reasoning is not sent it
     provisional: bool = False
 
 

@@ -58,7 +58,7 @@ def role_of(instance: str) -> str:
 class RingNames:
     """Segment names and process instances of one pipeline; picklable, handed to every stage
     process. `replicas`: roles that run as several processes, with their counts. `wake_yield`:
-    every producer yields its CPU to the consumer it wakes (RingsConfig.wake_yield)."""
+    every producer yields its CPU to the consumer it wakes (experiments.wake_yield)."""
 
     prefix: str
     replicas: tuple[tuple[str, int], ...] = ()
@@ -74,7 +74,7 @@ class RingNames:
             "vocoder": config.vocoder.replicas,
             GATEWAY: gateways,
         }
-        return cls.fresh(replicas, wake_yield=config.rings.wake_yield)
+        return cls.fresh(replicas, wake_yield=config.experiments.wake_yield)
 
     @classmethod
     def fresh(

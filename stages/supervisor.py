@@ -149,7 +149,7 @@ class Supervisor:
             return
         self.mps = MpsDaemon.start()
         progress(f"gpu sharing: CUDA MPS (control daemon pid {self.mps.process.pid})")
-        shares, low = self.config.mps_thread_percent, self.config.mps_low_priority
+        shares, low = self.config.experiments.mps_thread_percent, self.config.mps_low_priority
         self.placements = {
             role: replace(
                 p, env={**p.env, **self.mps.env, **client_env(shares.get(role), role in low)}

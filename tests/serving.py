@@ -82,7 +82,7 @@ async def serving_gateway_alone(
     """The gateway's app with no stages, on rings of its own: for what its HTTP endpoints
     answer (headers, auth, admission) without the seconds the stages take to start. A call
     it takes connects, but nothing answers it. `process`: create_app's."""
-    names = RingNames.fresh(wake_yield=config.rings.wake_yield)
+    names = RingNames.fresh(wake_yield=config.experiments.wake_yield)
     rings = RingSet(names, config)
     try:
         prepare_media(config)

@@ -115,6 +115,23 @@ def test_shipped_configs_are_valid(name: str) -> None:
             {"cluster": {"address": "127.0.0.4:6379", "gateway_hosts": 0}},
             "cluster.gateway_hosts: Input should be greater than or equal to 1",
         ),
+        # keys of earlier configurations name where they went
+        (
+            {"gateway__prepare_reply_ms": 80},
+            "gateway.prepare_reply_ms: moved to gateway.turns.prepare_reply_ms",
+        ),
+        (
+            {"encoder__end_of_turn_words": "bundled:smollm2-135m-instruct"},
+            "encoder.end_of_turn_words: moved to gateway.turns.end_of_turn.words_model",
+        ),
+        (
+            {"gateway__udp_reads_per_wake": 8},
+            "gateway.udp_reads_per_wake: moved to gateway.media.udp_reads_per_wake",
+        ),
+        ({"rings__wake_yield": True}, "rings.wake_yield: moved to experiments.wake_yield"),
+        ({"gateway__turns__vad__classifier": "rnnoise"}, "gateway.turns.vad.classifier: Input"),
+        # experiments are the benchmarks' overrides, never a file's
+        ({"experiments": {"opus": "aiortc"}}, "experiments: the benchmarks' comparisons"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, changes: dict, expected: str) -> None:

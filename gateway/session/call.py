@@ -13,8 +13,6 @@ over with `loop.call_soon_threadsafe` (gateway.calls).
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
 import dataclasses
 import logging
@@ -24,31 +22,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gateway import events as ev
-from gateway.config import InterruptionConfig, ToolsConfig
+from gateway.config import ToolsConfig, TurnsConfig
 from gateway.conversation import Conversation
-from gateway.g711 import G711
 from gateway.metrics import GatewayMetrics
-from gateway.opus import PacketCodec
-from gateway.protocol import (
-    G711_FORMATS,
-    INPUT_RATE,
-    OPUS,
-    OUTPUT_RATE,
-    ProtocolError,
-    ResponseParams,
-    SessionConfig,
-)
-from gateway.resample import CALLER_RATE, Upsampler
+from gateway.protocol import ResponseParams, SessionConfig
 from gateway.session import client_events, stop
-from gateway.session.interruption import words_that_count
+from gateway.session.intake import Intake
+from gateway.session.interruptions import Interruptions
 from gateway.session.outbox import Outbox, Transport
 from gateway.session.replies import Replies
 from gateway.session.reply import Reply
-from gateway.session.spans import NO_SPANS, SessionSpans
+from gateway.session.spans import session_spans
 from gateway.session.stop import Cancels
 from gateway.session.tool_use import SessionTools
 from gateway.session.turns import CallerTurns
 from gateway.tools import ToolChoice
+from gateway.turns.idle import IdleTimer
+from gateway.turns.interruption import InterruptionPolicy
 from stages.envelope import Envelope
 from stages.link import PipelineLink
 from stages.messages import (
@@ -69,12 +59,9 @@ from stages.tasks import Tasks
 
 if TYPE_CHECKING:
     from gateway.tracing import Tracing
-    from gateway.turn_models import TurnModels
+    from gateway.turns.models import TurnModels
 
 logger = logging.getLogger(__name__)
-
-
-MAX_BACKLOG = 1000  # client events kept waiting behind a long append; past it, refused
 
 
 class CallLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -99,43 +86,24 @@ class RealtimeSession:
         metrics: GatewayMetrics,
         config: SessionConfig,
         on_closed: Callable[[RealtimeSession], None],
-        hold_on_voice: bool = True,
-        prepare_reply_ms: int = 0,
+        turns: TurnsConfig | None = None,
         turn_models: TurnModels | None = None,
-        end_of_turn_pause_ms: int = 200,
-        end_of_turn_sure: float = 0.95,
-        interruptions: InterruptionConfig | None = None,
         tracing: Tracing | None = None,
         tools: ToolsConfig | None = None,
     ) -> None:
-        """`hold_on_voice`: silence the agent from the caller's first voiced frame until the
-        VAD decides whether they are talking over it (GatewayConfig.barge_in_hold).
-        `prepare_reply_ms`: silence inside a turn after which the stages start on the reply,
-        held until the turn ends (GatewayConfig.prepare_reply_ms; 0: off). `turn_models`:
-        the process's VAD classifier and end-of-turn model (webrtcvad and no semantic_vad
-        without). `interruptions`: what the caller's voice over the agent does. `tracing`: the
-        process's OpenTelemetry traces (gateway.tracing), if on. `tools`: the gateway's
-        rules for function and MCP tools."""
-        self.call_id = call_id
-        self.link = link
-        self.session = session
-        self.vocoder_rate = vocoder_rate
-        self.metrics = metrics
-        self.config = config
+        """`turns`: the gateway's turn-taking section (its defaults without one);
+        `turn_models`: the process's classifier and end-of-turn model (webrtcvad and no
+        semantic_vad without); `tracing`: the process's OpenTelemetry traces (gateway.tracing),
+        if on; `tools`: the gateway's rules for function and MCP tools."""
+        self.call_id, self.link, self.session = call_id, link, session
+        self.vocoder_rate, self.metrics, self.config = vocoder_rate, metrics, config
         self.on_closed = on_closed
-        self.hold_on_voice = hold_on_voice
         self.log = CallLog(logger, {"call": call_id, "session": session})
         self.outbox = Outbox(call_id)
         self.items = Conversation()
         self.tasks = Tasks()
-        self.interruptions = interruptions or InterruptionConfig()
-        self.paused: Reply | None = None  # the reply paused under provisional turns
-        self.spans = (
-            SessionSpans(tracing, call_id, session, config, self.outbox, vocoder_rate)
-            if tracing is not None
-            else NO_SPANS
-        )
-        td = config.turn_detection
+        turns = turns or TurnsConfig()
+        self.spans = session_spans(tracing, call_id, session, config, self.outbox, vocoder_rate)
         self.turns = CallerTurns(
             link,
             session,
@@ -144,18 +112,13 @@ class RealtimeSession:
             self.items,
             self,
             metrics,
-            prepare_reply_ms,
-            voice=turn_models.voice(td.threshold if td else 0.5) if turn_models else None,
-            end_of_turn=turn_models.end_of_turn if turn_models else None,
-            end_of_turn_pause_ms=end_of_turn_pause_ms,
-            end_of_turn_sure=end_of_turn_sure,
+            turns,
+            models=turn_models,
             spawn=self.spawn,
-            confirm_ms=self.interruptions.confirm_ms,
             spans=self.spans,
         )
         self.turn_models = turn_models
-        self._idle: asyncio.TimerHandle | None = None  # idle_timeout_ms, armed
-        self._idle_from_ms = 0  # the caller's audio clock when it was armed
+        self.idle = IdleTimer(self._idle_timeout)
         self.replies = Replies(
             self.outbox,
             self.items,
@@ -165,6 +128,18 @@ class RealtimeSession:
             self.spans,
         )
         self.cancels = Cancels(link, session, self.outbox, metrics, self.spans)
+        self.interruptions = Interruptions(
+            InterruptionPolicy(turns.interruptions),
+            config,
+            self.turns,
+            self.replies,
+            self.cancels,
+            self.outbox,
+            metrics,
+            self.log,
+            answer=self._answer,
+            sync_history=self.sync_history,
+        )
         self.tools = SessionTools(
             tools or ToolsConfig(),
             self.outbox,
@@ -174,16 +149,19 @@ class RealtimeSession:
             settings_changed=self.apply_settings,
             follow_up=self._follow_up,
         )
+        self.intake = Intake(
+            lambda: self.config.input_format,
+            vocoder_rate,
+            self.feed_audio,
+            self.spawn,
+            dispatch=lambda message: client_events.dispatch(self, message),
+            refuse=lambda message: self.outbox.error(message, code="too_many_events"),
+        )
         self.deferred_create: tuple[ResponseParams, str | None] | None = None
         self._history_due = False  # edits not yet sent to the reasoning stage (sync_history)
         self.closed = asyncio.Event()
         self.close_reason: str | None = None  # why it ended, once it has
         self.frame_arrivals: collections.deque[float] = collections.deque(maxlen=3000)
-        self._in_rs: Upsampler | None = None
-        self._intake: asyncio.Task[None] | None = None  # a long append being taken in
-        self._backlog: collections.deque[Any] = collections.deque()  # events behind it
-        self._opus: PacketCodec | None = None
-        self._g711: dict[str, G711] = {}
 
     @property
     def transport(self) -> Transport | None:
@@ -194,22 +172,11 @@ class RealtimeSession:
         """The reply the caller hears (started, until played to its end or cut)."""
         return self.replies.current
 
-    @property
-    def interrupted_at(self) -> collections.deque[float]:
-        return self.replies.interrupted_at
-
-    @property
-    def audio_in_frames(self) -> int:
-        return self.turns.frames
-
     # -- wiring ----------------------------------------------------------------------------
 
     def bind(self, transport: Transport) -> None:
         """Attach the transport; events sent before it existed go out now, in order."""
         self.outbox.bind(transport)
-
-    def send(self, event: dict[str, Any]) -> None:
-        self.outbox.send(event)
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         return self.tasks.spawn(coro, name)
@@ -246,99 +213,29 @@ class RealtimeSession:
             self._history_due = False
             self.link.set_history(self.session, self.items.history())
 
-    # -- caller audio ----------------------------------------------------------------------
+    # -- the caller ------------------------------------------------------------------------
 
     def feed_audio(self, pcm16k: np.ndarray) -> None:
         """Caller audio, PCM16 mono 16 kHz, in pieces of any length."""
         self.turns.feed(pcm16k)
 
-    def append_audio(self, audio_b64: Any) -> None:
-        """input_audio_buffer.append: base64 PCM16 mono 24 kHz, or one 20 ms Opus packet."""
-        if not isinstance(audio_b64, str):
-            raise ProtocolError("audio must be a base64 string", param="audio")
-        try:
-            raw = base64.b64decode(audio_b64, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ProtocolError(
-                f"audio is not valid base64: {exc}", param="audio", code="invalid_audio"
-            ) from None
-        if self.config.input_format in G711_FORMATS:
-            # any length: every byte is a sample
-            self.feed_audio(self.g711(self.config.input_format).decode(raw))
-            return
-        if self.config.input_format == OPUS:
-            try:
-                self.feed_audio(self.opus.decode(raw))
-            except ValueError as exc:
-                raise ProtocolError(
-                    f"audio/opus: {exc}; the packet was dropped",
-                    param="audio",
-                    code="invalid_audio",
-                ) from None
-            return
-        if len(raw) % 2:
-            raise ProtocolError(
-                "audio/pcm is 16-bit samples: an odd number of bytes cannot be it",
-                param="audio",
-                code="invalid_audio",
-            )
-        pcm = np.frombuffer(raw, dtype="<i2").astype(np.int16)
-        if len(pcm) <= INPUT_RATE:
-            self.feed_audio(self._input_resampler.convert(pcm))
-            return
-        # Longer: a second at a time, the loop served between (15 MiB is minutes of audio,
-        # half a second of VAD work), and the resampler (libswresample) never given more:
-        # it sizes its buffers, kept for the session's life, to the largest piece it had
-        self._intake = self.spawn(self._take_in(pcm), f"intake-{self.call_id}")
+    def on_client_message(self, message: Any) -> None:
+        """One client event as received (JSON text); every failure becomes an `error` event.
+        While a long append is being taken in, later events wait for it, in order."""
+        self.intake.event(message)
 
-    @property
-    def opus(self) -> PacketCodec:
-        """This session's libopus coder for the audio/opus format (made on first use)."""
-        if self._opus is None:
-            self._opus = PacketCodec(CALLER_RATE, OUTPUT_RATE)
-        return self._opus
-
-    def g711(self, audio_format: str) -> G711:
-        """The call's coder of audio/pcmu or audio/pcma (made on first use)."""
-        coder = self._g711.get(audio_format)
-        if coder is None:
-            coder = self._g711[audio_format] = G711(audio_format, self.vocoder_rate)
-        return coder
-
-    @property
-    def _input_resampler(self) -> Upsampler:
-        """24 kHz audio/pcm from a WebSocket client down to the caller rate."""
-        if self._in_rs is None:
-            self._in_rs = Upsampler(INPUT_RATE, CALLER_RATE)
-        return self._in_rs
-
-    # -- what the caller's turns mean for the reply (turns.TurnListener) --------------------
-
-    def _interrupts(self) -> bool:
-        td = self.config.turn_detection
-        return td is not None and td.interrupt_response
+    # what the caller's turns mean for the reply (turns.TurnListener); a sound over the agent
+    # is the interruptions' to decide
 
     def speech_onset(self) -> bool:
-        self.disarm_idle()
-        if not self._interrupts():
-            return False
-        reply, transport = self.replies.current, self.transport
-        # a WebSocket client plays what it was sent: only a transport that holds the agent's
-        # audio itself (WebRTC, a phone stream) can pause it and play on
-        if (
-            self.interruptions.policy == "provisional"
-            and reply is not None
-            and reply.audio
-            and transport is not None
-            and transport.holds_audio
-        ):
-            if self.paused is None:
-                self.paused = reply
-                self.log.info("reply %s paused: the caller speaks over it", reply.response_id)
-            transport.hold(True)
-            return True
-        stop.barge_in(self.replies, self.cancels, bool(self.turns.transcribing), self.log)
-        return False
+        self.idle.disarm()
+        return self.interruptions.onset()
+
+    def maybe_speaking(self, unsure: bool) -> None:
+        self.interruptions.unsure(unsure)
+
+    def voiced(self, turn_id: int, voiced_ms: int) -> None:
+        self.interruptions.voiced(turn_id, voiced_ms)
 
     def turn_ended(self, create_response: bool) -> None:
         if create_response:
@@ -346,7 +243,7 @@ class RealtimeSession:
 
     def transcribed(self, turn_id: int, text: str) -> None:
         if turn_id in self.turns.provisional:
-            self._settle(turn_id, text)
+            self.interruptions.settle(turn_id, text)
             return
         if not text and turn_id == self.turns.turn_id:
             self.replies.forget_asked()  # nothing was said: reasoning answers nothing
@@ -355,60 +252,6 @@ class RealtimeSession:
             self.deferred_create = None
             self.create_response(params, event_id)
 
-    def spoke_on(self, turn_id: int) -> None:
-        """The provisional turn went on long enough to be an interruption: the reply is cut
-        (the cancel purges the turn too) and the turn begun again, as any turn."""
-        self._interrupted()
-        self.turns.begin_again()
-
-    def maybe_speaking(self, unsure: bool) -> None:
-        """A barge-in is decided some frames after the caller's first voiced one: the agent
-        goes quiet from that frame on, and plays on, nothing lost, if it was not one (under
-        the provisional policy, until the turn is known not to be one)."""
-        if self.transport is not None:
-            held = unsure and self.hold_on_voice and self._interrupts()
-            held = held or self.paused is not None
-            self.transport.hold(held and self.replies.current is not None)
-
-    # -- provisional turns over the agent (gateway.session.interruption) ------------------
-
-    def _settle(self, turn_id: int, text: str) -> None:
-        voiced_ms = self.turns.voiced_ms_of.get(turn_id, 0)
-        words = words_that_count(text, self.interruptions.backchannels)
-        counts = bool(words) and voiced_ms >= self.interruptions.min_speech_ms
-        self.log.info(
-            "over the agent: %r, %d ms voiced: %s",
-            text,
-            voiced_ms,
-            "an interruption" if counts else "none",
-        )
-        item_id = self.turns.settle(turn_id, text, counts)
-        paused = self.paused
-        if counts:
-            self._interrupted()
-            td = self.config.turn_detection
-            if td is not None and td.create_response:
-                self._answer(text)
-            else:
-                self.sync_history()
-            return
-        self.metrics.false_interruptions.inc()
-        if paused is None or self.turns.provisional or self.turns.vad.in_speech:
-            return  # another sound over the agent is still to be settled
-        self.paused = None
-        reply = self.replies.current
-        if reply is paused and self.transport is not None:
-            self.transport.hold(False)
-            self.outbox.interruption_resumed(reply.response_id or "", item_id or "", text)
-            self.log.info("reply %s plays on (%r was no interruption)", reply.response_id, text)
-
-    def _interrupted(self) -> None:
-        """The caller's sound over the agent was an interruption: the reply paused for it is
-        cut where it paused, as a barge-in."""
-        paused, self.paused = self.paused, None
-        if paused is not None and self.replies.current is paused:
-            stop.cut(self.replies, self.cancels, "barge_in", self.log)
-
     def _answer(self, text: str) -> None:
         """Answer the words that interrupted the agent (reasoning was not sent them)."""
         response_id = ev.new_id("resp")
@@ -416,31 +259,19 @@ class RealtimeSession:
         self.flush_history()
         self.link.create_response(self.session, response_id, text=text)
 
-    # -- idle_timeout_ms ---------------------------------------------------------------------
-
     def arm_idle(self, after_s: float = 0.0) -> None:
         """The agent's reply has been heard (or will have been in `after_s`): the caller has
         idle_timeout_ms to say something."""
-        td = self.config.turn_detection
-        self.disarm_idle()
-        if td is None or td.semantic or not td.idle_timeout_ms or self.closed.is_set():
-            return
-        self._idle_from_ms = self.turns.vad.audio_ms + int(after_s * 1000)
-        loop = asyncio.get_running_loop()
-        self._idle = loop.call_later(after_s + td.idle_timeout_ms / 1000, self._idle_timeout)
+        if not self.closed.is_set():
+            detector = self.turns.detector
+            self.idle.arm(self.config.turn_detection, detector.audio_ms, after_s)
 
-    def disarm_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
-
-    def _idle_timeout(self) -> None:
-        self._idle = None
+    def _idle_timeout(self, from_ms: int) -> None:
         busy = self.replies.current or self.replies.turn_asked or self.replies.created
-        if self.closed.is_set() or self.turns.vad.in_speech or busy:
+        if self.closed.is_set() or self.turns.detector.in_speech or busy:
             return
         item_id = ev.new_id("item")
-        self.outbox.timeout_triggered(self._idle_from_ms, self.turns.vad.audio_ms, item_id)
+        self.outbox.timeout_triggered(from_ms, self.turns.detector.audio_ms, item_id)
         self.turns.commit_item(item_id, "")
         self.create_response(ResponseParams(), None)
 
@@ -448,7 +279,7 @@ class RealtimeSession:
 
     def create_response(self, params: ResponseParams, event_id: str | None) -> None:
         """Ask the stages for a reply (response.create, once the last turn's text is in)."""
-        self.disarm_idle()
+        self.idle.disarm()
         tools = self.tools.for_model(params.tools) if params.tools is not None else None
         # a reply still playing stops first, so that its cancel precedes the new reply; one
         # that called functions plays its words to their end before this one
@@ -537,7 +368,7 @@ class RealtimeSession:
     def _stage_lost(self, error: dict[str, Any]) -> None:
         """A stage died under the session and was purged of it: its replies end failed, and
         the turns it was transcribing end with nothing heard."""
-        self.paused = None
+        self.interruptions.paused = None
         stop.lost(self.replies, error, self.log)
         self.turns.lost_transcripts()
 
@@ -554,7 +385,7 @@ class RealtimeSession:
             stop.let_go(self.replies, "superseded", self.log)
         self.replies.start(msg.response_id, msg.turn_id, msg.audio, msg.tools, t_ns)
         ahead = self.replies.voice_ahead.started(msg.response_id)
-        if asked and self._interrupts() and self.turns.vad.in_speech:
+        if asked and self.interruptions.interrupts and self.turns.detector.in_speech:
             # the reply to the caller's last turn started after they spoke again (too soon
             # for a barge-in to cancel it): stopped unheard, and without a cancel, which
             # would purge the turn they are in
@@ -562,37 +393,6 @@ class RealtimeSession:
         else:
             for early in ahead:
                 self.on_stage_event(early)
-
-    # -- client events -----------------------------------------------------------------------
-
-    def on_client_message(self, message: Any) -> None:
-        """One client event as received (JSON text); every failure becomes an `error` event.
-        While a long append is being taken in, later events wait for it, in order."""
-        if self._intake is None:
-            client_events.dispatch(self, message)
-        elif len(self._backlog) < MAX_BACKLOG:
-            self._backlog.append(message)
-        else:
-            self.outbox.error(
-                f"more than {MAX_BACKLOG} events came while a long input_audio_buffer.append "
-                "was taken in: this one was dropped",
-                code="too_many_events",
-            )
-
-    @property
-    def taking_in(self) -> bool:
-        """A long append is still being fed to the VAD, a second at a time."""
-        return self._intake is not None
-
-    async def _take_in(self, pcm: np.ndarray) -> None:
-        try:
-            for start in range(0, len(pcm), INPUT_RATE):
-                self.feed_audio(self._input_resampler.convert(pcm[start : start + INPUT_RATE]))
-                await asyncio.sleep(0)  # the other calls on this loop, between seconds
-        finally:
-            self._intake = None
-            while self._backlog and self._intake is None and not self.closed.is_set():
-                client_events.dispatch(self, self._backlog.popleft())
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -604,12 +404,10 @@ class RealtimeSession:
         self.outbox.closed = True
         self.close_reason = reason
         self.log.info("session closed: %s", reason)
-        self.disarm_idle()
+        self.idle.disarm()
         self.spans.close()
         self.replies.current = self.replies.finishing = None
-        # coders' native buffers go now, not at a collection
-        self._in_rs = self._opus = None
-        self._g711.clear()
+        self.intake.close()
         transport = self.transport
         if transport is not None:
             transport.clear()

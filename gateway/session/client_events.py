@@ -4,8 +4,9 @@ takes the session down."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.conversation import item_from_client
 from gateway.json_input import parse_json
@@ -13,14 +14,53 @@ from gateway.protocol import ProtocolError, parse_response_create
 from gateway.session import stop
 
 if TYPE_CHECKING:
-    from gateway.session.call import RealtimeSession
+    from gateway.conversation import Conversation
+    from gateway.protocol import ResponseParams, SessionConfig
+    from gateway.session.intake import Intake
+    from gateway.session.outbox import Outbox, Transport
+    from gateway.session.replies import Replies
+    from gateway.session.reply import Reply
+    from gateway.session.stop import Cancels
+    from gateway.session.tool_use import SessionTools
+    from gateway.session.turns import CallerTurns
+    from gateway.turns.models import TurnModels
 
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # input_audio_buffer.append carries up to 15 MiB of base64
 
-Handler = Callable[["RealtimeSession", dict[str, Any], "str | None"], None]
+
+class Session(Protocol):
+    """What the handlers reach of a session (gateway.session.call.RealtimeSession)."""
+
+    config: SessionConfig
+    outbox: Outbox
+    items: Conversation
+    turns: CallerTurns
+    intake: Intake
+    replies: Replies
+    cancels: Cancels
+    tools: SessionTools
+    turn_models: TurnModels | None
+    log: logging.LoggerAdapter[Any]
+    vocoder_rate: int
+    deferred_create: tuple[ResponseParams, str | None] | None
+
+    @property
+    def transport(self) -> Transport | None: ...
+
+    @property
+    def reply(self) -> Reply | None: ...
+
+    def apply_settings(self) -> None: ...
+
+    def sync_history(self) -> None: ...
+
+    def create_response(self, params: ResponseParams, event_id: str | None) -> None: ...
 
 
-def dispatch(session: RealtimeSession, message: Any) -> None:
+Handler = Callable[[Session, dict[str, Any], "str | None"], None]
+
+
+def dispatch(session: Session, message: Any) -> None:
     """One client event as received (JSON text)."""
     out = session.outbox
     if isinstance(message, bytes) or len(message) > MAX_EVENT_BYTES:
@@ -56,7 +96,7 @@ def dispatch(session: RealtimeSession, message: Any) -> None:
         )
 
 
-def session_update(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def session_update(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     had_vad = session.config.turn_detection is not None
     new = session.config.updated(data.get("session"))
     if session.turn_models is not None:  # semantic_vad needs the end-of-turn model
@@ -69,25 +109,25 @@ def session_update(session: RealtimeSession, data: dict[str, Any], event_id: str
     session.tools.sync(session.config.tools)  # then mcp_list_tools.* for new MCP servers
 
 
-def buffer_append(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def buffer_append(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     if session.transport is not None and session.transport.kind == "webrtc":
         raise ProtocolError(
             "on a WebRTC call the caller's audio comes over its media track",
             param="type",
             code="unsupported",
         )
-    session.append_audio(data.get("audio"))
+    session.intake.append(data.get("audio"))
 
 
-def buffer_commit(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def buffer_commit(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     session.turns.commit()
 
 
-def buffer_clear(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def buffer_clear(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     session.turns.clear()
 
 
-def item_create(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def item_create(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     item = item_from_client(data.get("item"), session.items)
     previous = data.get("previous_item_id")
     if previous is not None and not isinstance(previous, str):
@@ -100,11 +140,11 @@ def item_create(session: RealtimeSession, data: dict[str, Any], event_id: str | 
     session.outbox.item_done(item)
 
 
-def item_retrieve(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def item_retrieve(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     session.outbox.item_retrieved(session.items.get(data.get("item_id")))
 
 
-def item_delete(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def item_delete(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     item = session.items.get(data.get("item_id"))
     reply = session.reply
     if reply is not None and item in reply.outputs:
@@ -116,7 +156,7 @@ def item_delete(session: RealtimeSession, data: dict[str, Any], event_id: str | 
     session.outbox.item_deleted(item.id)
 
 
-def item_truncate(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def item_truncate(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     """Cut an assistant audio item to what the client played (`audio_end_ms`)."""
     item = session.items.get(data.get("item_id"))
     audio = item.type == "message" and item.content and item.content[0].get("type")
@@ -150,7 +190,7 @@ def item_truncate(session: RealtimeSession, data: dict[str, Any], event_id: str 
     session.outbox.item_truncated(item.id, end_ms)
 
 
-def response_create(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def response_create(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     params = parse_response_create(data.get("response"), session.config)
     if session.replies.active() or session.deferred_create is not None:
         raise ProtocolError(
@@ -163,7 +203,7 @@ def response_create(session: RealtimeSession, data: dict[str, Any], event_id: st
     session.create_response(params, event_id)
 
 
-def response_cancel(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def response_cancel(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     wanted = data.get("response_id")
     reply = session.reply
     if reply is None or not reply.in_progress:
@@ -175,7 +215,7 @@ def response_cancel(session: RealtimeSession, data: dict[str, Any], event_id: st
     stop.cut(session.replies, session.cancels, "client_cancel", session.log)
 
 
-def output_clear(session: RealtimeSession, data: dict[str, Any], event_id: str | None) -> None:
+def output_clear(session: Session, data: dict[str, Any], event_id: str | None) -> None:
     if session.transport is not None and session.transport.kind != "webrtc":
         raise ProtocolError(
             "output_audio_buffer.clear is for WebRTC calls; over a WebSocket the client "

@@ -115,6 +115,20 @@ class CancelTrace:
     acks: dict[str, int] = field(default_factory=dict)  # stage -> its stamp
 
 
+def session_spans(
+    tracing: Tracing | None,
+    call_id: str,
+    session: int,
+    config: SessionConfig,
+    outbox: Outbox,
+    vocoder_rate: int,
+) -> Spans:
+    """A session's traces: SessionSpans where the process traces, else NO_SPANS."""
+    if tracing is None:
+        return NO_SPANS
+    return SessionSpans(tracing, call_id, session, config, outbox, vocoder_rate)
+
+
 class SessionSpans(Spans):
     """One session's open traces, marked as its turns, replies and cancels go."""
 

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 
 from stages.backends.speech import (
-    ASR_SAMPLE_RATE,
     SpeechModelNotFoundError,
     SpeechOptionError,
     pcm16_to_float,
     reject_unknown_options,
 )
 from stages.backends.whisper_stream import WhisperStream
+from stages.messages import CALLER_RATE
 from stages.passlog import PassLog
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def load_ctranslate2_whisper(
         beam_size=beam_size,
     )
     if warmup:
-        recognizer.transcribe(np.zeros(ASR_SAMPLE_RATE // 2, np.int16))
+        recognizer.transcribe(np.zeros(CALLER_RATE // 2, np.int16))
     logger.info(
         "ctranslate2 whisper %s (%s, %s, %d thread(s)) loaded in %.1f s",
         model,
@@ -114,8 +114,8 @@ class CTranslate2Whisper:
     """A loaded CTranslate2 Whisper model; streams share it."""
 
     name = "ctranslate2"
-    sample_rate = ASR_SAMPLE_RATE
-    window_samples = WINDOW_S * ASR_SAMPLE_RATE
+    sample_rate = CALLER_RATE
+    window_samples = WINDOW_S * CALLER_RATE
 
     def __init__(
         self,

@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 
 from stages.backends.speech import (
-    ASR_SAMPLE_RATE,
     SpeechModelNotFoundError,
     SpeechOptionError,
     StreamClosedError,
     as_pcm16,
     reject_unknown_options,
 )
+from stages.messages import CALLER_RATE
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,10 @@ def load_pocketsphinx(pool_size: int = 1, **options: Any) -> PocketSphinxRecogni
     reject_unknown_options("pocketsphinx", options, known | {"pool_size"})
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
         raise SpeechOptionError(f"pocketsphinx option pool_size={pool_size!r} must be an int >= 1")
-    samprate = options.get("samprate", ASR_SAMPLE_RATE)
-    if samprate != ASR_SAMPLE_RATE:
+    samprate = options.get("samprate", CALLER_RATE)
+    if samprate != CALLER_RATE:
         raise SpeechOptionError(
-            f"pocketsphinx option samprate={samprate!r}: "
-            f"the encoder feeds {ASR_SAMPLE_RATE} Hz audio"
+            f"pocketsphinx option samprate={samprate!r}: the encoder feeds {CALLER_RATE} Hz audio"
         )
     for key in _PATH_OPTIONS:
         value = options.get(key)
@@ -76,7 +75,7 @@ class PocketSphinxRecognizer:
     """Owns a pool of PocketSphinx decoders; each open stream borrows one."""
 
     name = "pocketsphinx"
-    sample_rate = ASR_SAMPLE_RATE
+    sample_rate = CALLER_RATE
     random_weights = False
 
     def __init__(self, config: dict[str, Any], pool_size: int = 1) -> None:
@@ -139,7 +138,7 @@ class PocketSphinxStream:
         self._recognizer = recognizer
         self._decoder: Any | None = decoder
         self._partial = ""
-        self._slice = ASR_SAMPLE_RATE * FEED_SLICE_MS // 1000
+        self._slice = CALLER_RATE * FEED_SLICE_MS // 1000
         self._audio: list[np.ndarray] = []  # the turn so far, to decode again after a peek
         self._peeked: str | None = None  # the final of a peek, while no audio came after it
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stages.backends.speech import (
-    ASR_SAMPLE_RATE,
     SpeechOptionError,
     gpu_stream,
     load_error,
@@ -34,6 +33,7 @@ from stages.backends.speech import torch_device as load_device
 from stages.backends.whisper_greedy import GreedyDecoder
 from stages.backends.whisper_static import StaticDecoder
 from stages.backends.whisper_stream import WhisperStream
+from stages.messages import CALLER_RATE
 from stages.passlog import PassLog
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def load_whisper(
     )
     if warmup:
         recognizer.record_steps()
-        recognizer.transcribe(np.zeros(ASR_SAMPLE_RATE, dtype=np.int16))
+        recognizer.transcribe(np.zeros(CALLER_RATE, dtype=np.int16))
     logger.info(
         "whisper %s loaded on %s (%s) in %.2f s",
         path,
@@ -172,7 +172,7 @@ class WhisperRecognizer:
     """A loaded Whisper model and processor; streams share it, one decode at a time."""
 
     name = "whisper"
-    sample_rate = ASR_SAMPLE_RATE
+    sample_rate = CALLER_RATE
 
     def __init__(
         self,
@@ -245,7 +245,7 @@ class WhisperRecognizer:
         with self._on_stream():
             features = self._processor.feature_extractor(
                 pcm16_to_float(pcm16),
-                sampling_rate=ASR_SAMPLE_RATE,
+                sampling_rate=CALLER_RATE,
                 return_tensors="pt",
                 device=self._feature_device,
             ).input_features

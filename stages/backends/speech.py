@@ -28,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 #: Longest audio chunk a voice yields, so playout can start (and stop) at a fine grain.
 MAX_CHUNK_MS = 100
-#: Recognizers take PCM16 mono at this rate (what the gateway's chunker produces).
-ASR_SAMPLE_RATE = 16000
 
 
 class SpeechRecognizer(Protocol):

@@ -13,7 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from stages.backends.speech import ASR_SAMPLE_RATE, StreamClosedError, as_pcm16
+from stages.backends.speech import StreamClosedError, as_pcm16
+from stages.messages import CALLER_RATE
 
 
 class WindowRecognizer(Protocol):
@@ -37,7 +38,7 @@ class WhisperStream:
         self._since_decode = 0  # samples fed since the last partial decode
         self._committed: list[str] = []  # text of the full windows already cut off
         self._partial = ""
-        self._interval = ASR_SAMPLE_RATE * recognizer.partial_interval_ms // 1000
+        self._interval = CALLER_RATE * recognizer.partial_interval_ms // 1000
         self._done = False
 
     def feed(self, pcm16: np.ndarray) -> str | None:

@@ -1,7 +1,7 @@
 """Whether the caller's words so far finish what they were saying: a small chat LM's
 probability that a sentence ends next.
 
-semantic_vad's sound model (gateway.end_of_turn, Smart Turn) hears intonation; on flat or
+semantic_vad's sound model (gateway.turns.smart_turn, Smart Turn) hears intonation; on flat or
 synthetic voices it also hears a finished question in "What time does the train". The words
 tell those apart: after the user's words (their trailing punctuation taken off, since the
 recognizer adds it from the same sound), a chat model puts a sentence end (".", "?", "!", or

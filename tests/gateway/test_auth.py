@@ -26,7 +26,7 @@ def config(**metrics: str | None):
         {
             "gateway.auth": {"api_keys": [KEY], "api_keys_env": None},
             "gateway.metrics": metrics,
-            "gateway.gc_freeze": False,
+            "gateway.media.gc_freeze": False,
         },
     )
 

@@ -126,7 +126,7 @@ async def test_barge_in_stops_the_agent_fast(config, server, make_speech, monkey
     lost: dict[str, int] = {}  # uplink RTP packets the gateway never received, per call
 
     def keep(cid: str, call) -> None:
-        interrupted[cid] = list(call.interrupted_at)
+        interrupted[cid] = list(call.replies.interrupted_at)
         streams = [  # aiortc keeps RFC 3550's counts per remote stream, as getStats reports
             stream
             for receiver in call.transport.pc.getReceivers()
@@ -134,7 +134,7 @@ async def test_barge_in_stops_the_agent_fast(config, server, make_speech, monkey
         ]
         lost[cid] = sum(stream.packets_lost for stream in streams)
 
-    args = (base, speech, 20, config.gateway.opus)
+    args = (base, speech, 20, config.experiments.opus)
     report = await report_while_serving(gateway, _barge_in_process, args, keep, every_s=0.05)
     assert "error" not in report, report.get("error")
     assert report["statuses"] == ["cancelled"] * 20
@@ -294,7 +294,7 @@ async def test_ten_concurrent_callers_all_get_replies(server, make_speech) -> No
         """What the gateway saw of a call: did the reply reach playout, did it play?"""
         view = {
             "closed": call.close_reason,
-            "frames_in": call.audio_in_frames,
+            "frames_in": call.turns.frames,
             "turns": call.turn_id,
             "awaiting_transcript": sorted(call.awaiting_transcript),
             "said": [(m.role, m.text) for m in call.items.history()],

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.chunker import CHUNK_SAMPLES, Chunker
+from gateway.chunker import Chunker
+from stages.messages import CHUNK_SAMPLES
 
 
 def test_chunk_is_200_ms_at_16_khz() -> None:

@@ -38,7 +38,7 @@ def config(**cors: Any):
         {
             "gateway.auth": {"api_keys": [KEY], "api_keys_env": None},
             "gateway.cors": cors,
-            "gateway.gc_freeze": False,
+            "gateway.media.gc_freeze": False,
         },
     )
 

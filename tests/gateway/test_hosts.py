@@ -109,7 +109,7 @@ def signed_headers(body: bytes, secret: bytes) -> dict[str, str]:
 
 @pytest.mark.timeout(60)
 async def test_a_gateway_takes_forwarded_calls_only_signed_and_only_in_a_cluster() -> None:
-    config = load_config(TINY, {"gateway.gc_freeze": False})
+    config = load_config(TINY, {"gateway.media.gc_freeze": False})
     body = b"v=0 not an offer"
     async with (
         serving_gateway_alone(config) as (alone, _),

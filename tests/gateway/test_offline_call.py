@@ -13,7 +13,7 @@ import pytest
 
 from gateway.client import RealtimeCall
 from gateway.config import load_config
-from gateway.end_of_turn import EndOfTurnModel
+from gateway.turns.smart_turn import SmartTurnModel
 from loadtest.offline_quality import speak
 from stages.audio import resample, write_wav
 from stages.backends import bundled
@@ -88,7 +88,7 @@ async def test_semantic_vad_holds_a_turn_whose_words_stop_mid_sentence(server) -
     first = first[: np.flatnonzero(np.abs(first) > 500)[-1] + 1]  # its silence after, cut
     rest = rest[np.flatnonzero(np.abs(rest) > 500)[0] :]
     pause = np.zeros(48 * 350, np.int16)
-    sounds = EndOfTurnModel(bundled.resolve("bundled:smart-turn-v3.2"))
+    sounds = SmartTurnModel(bundled.resolve("bundled:smart-turn-v3.2"))
     heard = resample(first[14400:], 48000, 16000)
     assert sounds.probability(np.concatenate([heard, np.zeros(3200, np.int16)])) >= 0.5
     call = await RealtimeCall.connect(base)

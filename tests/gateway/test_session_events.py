@@ -8,11 +8,16 @@ from typing import Any
 
 import numpy as np
 
+from gateway.config import TurnsConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SessionConfig
 from gateway.session import RealtimeSession, Reply, stop
 from stages.envelope import Envelope
 from stages.messages import Kind, Transcript
+
+# What these sessions change from the recommended turn-taking (gateway.turns): the reply is
+# made once a turn ends, not from the caller's pause, and any sound over the agent cuts it.
+TURNS = TurnsConfig(prepare_reply_ms=0, interruptions={"policy": "immediate"})
 
 
 class RecordingLink:
@@ -101,9 +106,8 @@ def transcript(turn: int, text: str, final: bool) -> Envelope:
 
 
 def test_partial_transcripts_become_additive_deltas() -> None:
-    session = RealtimeSession(
-        "sess_t", RecordingLink(), 1, 22050, GatewayMetrics(), SessionConfig(voice="v"), print
-    )
+    link, config = RecordingLink(), SessionConfig(voice="v")
+    session = RealtimeSession("sess_t", link, 1, 22050, GatewayMetrics(), config, print, TURNS)
     transport = RecordingTransport()
     session.bind(transport)
     session.turns.begin(0)
@@ -146,20 +150,23 @@ def test_the_agent_is_held_from_the_first_voiced_frame_until_the_vad_decides(
             GatewayMetrics(),
             SessionConfig(voice="v"),
             print,
-            hold_on_voice=hold_on_voice,
+            turns=TurnsConfig(
+                prepare_reply_ms=0,
+                interruptions={"policy": "immediate", "hold_on_voice": hold_on_voice},
+            ),
         )
         transport = RecordingTransport()
         session.bind(transport)
         session.replies.current = object()  # the agent is speaking
         for start in range(0, len(speech), 320):
             session.feed_audio(speech[start : start + 320])
-            if session.turns.vad.voiced_run:
+            if session.turns.detector.voiced_run:
                 break  # the first voiced frame, before any barge-in is decided
         if not hold_on_voice:
             assert not any(transport.holds)
             continue
-        assert transport.holds[-1] and not session.turns.vad.in_speech
-        assert session.turns.vad.voiced_run < session.turns.vad._onset_frames
+        assert transport.holds[-1] and not session.turns.detector.in_speech
+        assert session.turns.detector.voiced_run < session.turns.detector._onset_frames
         session.feed_audio(np.zeros(320, np.int16))  # a false start: the agent plays on
         assert transport.holds[-1] is False
 
@@ -169,9 +176,8 @@ def test_a_reply_whose_audio_ends_before_its_text_arrives_is_finished_once_with_
     (reasoning's ring): response.done waits for the text, and comes once."""
     from stages.messages import AudioDone, ResponseDone, ResponseStarted, TextDelta
 
-    session = RealtimeSession(
-        "sess_t", RecordingLink(), 1, 22050, GatewayMetrics(), SessionConfig(voice="v"), print
-    )
+    link, config = RecordingLink(), SessionConfig(voice="v")
+    session = RealtimeSession("sess_t", link, 1, 22050, GatewayMetrics(), config, print, TURNS)
     transport = RecordingTransport()
     session.bind(transport)
 
@@ -197,7 +203,7 @@ class Bound:
         self.link, self.transport = RecordingLink(), RecordingTransport()
         self.metrics = GatewayMetrics()
         self.session = RealtimeSession(
-            "sess_b", self.link, 1, 22050, self.metrics, SessionConfig(voice="v"), print
+            "sess_b", self.link, 1, 22050, self.metrics, SessionConfig(voice="v"), print, TURNS
         )
         self.session.bind(self.transport)
 
@@ -304,7 +310,7 @@ def test_a_response_create_over_a_reply_still_playing_cancels_it_first() -> None
 def test_speech_before_the_turns_reply_started_cancels_that_reply_first() -> None:
     """The caller speaks again before the reply to their last turn has started: it must not
     start over them. The cancel goes before the new turn, whose speech it would purge."""
-    from gateway.vad import SpeechStarted
+    from gateway.turns.detector import VadStart
     from stages.messages import ResponseStarted
 
     def turn(b: Bound, said: str | None, create_response: bool = True) -> None:
@@ -314,7 +320,7 @@ def test_speech_before_the_turns_reply_started_cancels_that_reply_first() -> Non
 
     def speak_again(b: Bound) -> list[str]:
         b.link.calls.clear()
-        b.session.turns.speech_started(SpeechStarted(1500, 1800, np.zeros(0, np.int16)))
+        b.session.turns.speech_started(VadStart(1500, 1800, np.zeros(0, np.int16)))
         return [name for name, _ in b.link.calls]
 
     b = Bound()
@@ -352,9 +358,9 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
     speech = make_speech("and in Paris").pcm16
     for start in range(0, len(speech), 320):  # the caller speaks again
         b.session.feed_audio(speech[start : start + 320])
-        if b.session.turns.vad.in_speech:
+        if b.session.turns.detector.in_speech:
             break
-    assert b.session.turns.vad.in_speech
+    assert b.session.turns.detector.in_speech
     assert "cancel" not in [name for name, _ in b.link.calls]  # turn 1 still transcribing
     b.session.on_stage_event(transcript(1, "what is the time", final=True))
     b.link.calls.clear()
@@ -378,14 +384,17 @@ class Overlapping(Bound):
     """A WebRTC-like session under the provisional policy whose agent is speaking."""
 
     def __init__(self, min_speech_ms: int = 0, turn_models: Any = None) -> None:
-        from gateway.config import InterruptionConfig
         from gateway.protocol import TurnDetection
         from stages.messages import ResponseStarted
 
         self.link, self.transport = RecordingLink(), RecordingTransport()
         self.transport.kind, self.transport.holds_audio = "webrtc", True
         self.metrics = GatewayMetrics()
-        policy = InterruptionConfig(policy="provisional", min_speech_ms=min_speech_ms)
+        turns = TurnsConfig(
+            prepare_reply_ms=0,
+            interruptions={"policy": "provisional", "min_speech_ms": min_speech_ms},
+            end_of_turn={"ask_after_ms": 120},
+        )
         td = TurnDetection(type="semantic_vad" if turn_models else "server_vad")
         self.session = RealtimeSession(
             "sess_p",
@@ -395,9 +404,8 @@ class Overlapping(Bound):
             self.metrics,
             SessionConfig(voice="v", turn_detection=td),
             print,
-            interruptions=policy,
+            turns=turns,
             turn_models=turn_models,
-            end_of_turn_pause_ms=120,
         )
         self.session.bind(self.transport)
         self.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", -1))
@@ -494,7 +502,7 @@ async def main():
         session.bind(RecordingTransport())
         session.start()
         session.on_client_message(event)
-        while session.taking_in:  # a second of audio a turn of the loop
+        while session.intake.taking_in:  # a second of audio a turn of the loop
             await asyncio.sleep(0)
         await session.close("done")
         kept.append(session)  # held, as a closed session in a reference cycle would be
@@ -532,7 +540,7 @@ def test_a_stage_restart_fails_the_reply_being_made_and_frees_the_next_create() 
 
     link, transport = RecordingLink(), RecordingTransport()
     session = RealtimeSession(
-        "c", link, 1, 16000, GatewayMetrics(), SessionConfig(voice="v"), on_closed=lambda c: None
+        "c", link, 1, 16000, GatewayMetrics(), SessionConfig(voice="v"), lambda c: None, TURNS
     )
     session.bind(transport)
     session.on_client_message('{"type": "response.create"}')
@@ -556,7 +564,7 @@ def _tool_session() -> tuple[RealtimeSession, RecordingTransport, RecordingLink]
     config = SessionConfig(voice="v")
     config.apply({"tools": [{"type": "function", "name": "get_weather"}]})
     link = RecordingLink()
-    session = RealtimeSession("sess_f", link, 1, 22050, GatewayMetrics(), config, print)
+    session = RealtimeSession("sess_f", link, 1, 22050, GatewayMetrics(), config, print, TURNS)
     transport = RecordingTransport()
     session.bind(transport)
     return session, transport, link
@@ -675,15 +683,15 @@ class HeldEndOfTurn:
 
 
 class SemanticModels:
-    """gateway.turn_models.TurnModels with webrtcvad and `end_of_turn`."""
+    """gateway.turns.models.TurnModels with webrtcvad and `end_of_turn`."""
 
     def __init__(self, end_of_turn: HeldEndOfTurn) -> None:
         self.end_of_turn = end_of_turn
 
-    def voice(self, threshold: float) -> Any:
-        from gateway.vad import WebrtcVoice
+    def classifier(self, threshold: float) -> Any:
+        from gateway.turns.classifiers import WebrtcClassifier
 
-        return WebrtcVoice(threshold)
+        return WebrtcClassifier(threshold)
 
 
 def _spoken_part(make_speech, text: str) -> np.ndarray:
@@ -708,12 +716,15 @@ class SemanticCall:
             self.metrics,
             SessionConfig(voice="v", turn_detection=TurnDetection(type="semantic_vad")),
             print,
-            prepare_reply_ms=prepare_reply_ms,
+            turns=TurnsConfig(
+                prepare_reply_ms=prepare_reply_ms,
+                interruptions={"policy": "immediate"},
+                end_of_turn={"ask_after_ms": 120},
+            ),
             turn_models=SemanticModels(self.model),
-            end_of_turn_pause_ms=120,
         )
         self.session.bind(RecordingTransport())
-        self.vad = self.session.turns.vad
+        self.detector = self.session.turns.detector
 
     async def feed(self, pcm: np.ndarray, until_voiced: bool = False) -> int:
         """Feed 20 ms frames, the session's tasks taking their turn after each, as on the
@@ -721,7 +732,7 @@ class SemanticCall:
         for start in range(0, len(pcm) - 319, 320):
             self.session.feed_audio(pcm[start : start + 320])
             await asyncio.sleep(0)
-            if until_voiced and self.vad.voiced_run:
+            if until_voiced and self.detector.voiced_run:
                 return start + 320
         return len(pcm)
 
@@ -757,15 +768,15 @@ async def test_semantic_vad_does_not_end_a_turn_when_the_caller_speaks_again(mak
     lead, gap = np.zeros(8000, np.int16), np.zeros(3200, np.int16)  # 0.5 s, then 200 ms
     first, second = _spoken_part(make_speech, "wait"), _spoken_part(make_speech, "stop now")
     await c.feed(np.concatenate([lead, first, gap]))
-    assert c.vad.in_speech and len(c.model.asked) == 1  # asked once, 120 ms into the pause
+    assert c.detector.in_speech and len(c.model.asked) == 1  # asked once, 120 ms into the pause
     # the caller goes on: their voice is back for a frame, not yet speech to the VAD
     fed = await c.feed(second, until_voiced=True)
-    assert c.vad.voiced_run > 0 and c.vad.silence_ms >= 200
+    assert c.detector.voiced_run > 0 and c.detector.silence_ms >= 200
     assert await c.decision(0.99) == "spoke_again"  # "finished", as the voice came back
-    assert c.stopped() == 0 and c.vad.in_speech
+    assert c.stopped() == 0 and c.detector.in_speech
     # the rest of the sentence, and a pause after it, which the next answer ends at once
     await c.feed(np.concatenate([second[fed:], np.zeros(4000, np.int16)]))
-    assert len(c.model.asked) == 2 and c.vad.in_speech
+    assert len(c.model.asked) == 2 and c.detector.in_speech
     assert await c.decision(0.99) == "ended"
     assert c.stopped() == 1
     await c.session.close("done")
@@ -802,7 +813,7 @@ async def test_semantic_vad_leaves_a_sound_over_the_agent_to_the_silence_window(
     for _ in range(10):  # a question the session asked would be put to the model by now
         await asyncio.sleep(0)
     turn = o.session.turns.turn_id
-    assert turn in o.session.turns.provisional and o.session.turns.vad.in_speech
+    assert turn in o.session.turns.provisional and o.session.turns.detector.in_speech
     assert model.asked == [] and o.called("speech_stopped") == []
     o.speak(np.zeros(3200, np.int16))  # the window, 500 ms, ends it
     ((_, stopped, *_),) = o.called("speech_stopped")

@@ -19,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import SessionConfig
 from gateway.session import RealtimeSession
 from gateway.tracing import Tracing
-from gateway.vad import SpeechStarted
+from gateway.turns.detector import VadStart
 from stages.envelope import Envelope
 from stages.messages import (
     AudioDone,
@@ -31,7 +31,7 @@ from stages.messages import (
     TextDelta,
     Transcript,
 )
-from tests.gateway.test_session_events import RecordingLink, RecordingTransport
+from tests.gateway.test_session_events import TURNS, RecordingLink, RecordingTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,6 +53,7 @@ class Traced:
             GatewayMetrics(),
             SessionConfig(voice="v"),
             lambda call: None,
+            turns=TURNS,
             tracing=self.tracing,
         )
         self.session.bind(self.transport)
@@ -98,7 +99,7 @@ def named(spans: list[ReadableSpan], name: str) -> list[ReadableSpan]:
 def spoken_turn(t: Traced, make_speech) -> dict[str, int]:
     """The caller asks, the agent answers and is played to its end; the stamps fed."""
     t.speak(np.concatenate([make_speech("what time is it").pcm16, np.zeros(16000, np.int16)]))
-    assert t.session.turns.turn_id == 1 and not t.session.turns.vad.in_speech
+    assert t.session.turns.turn_id == 1 and not t.session.turns.detector.in_speech
     stamps = {"transcript": t.stage("encoder", Kind.TRANSCRIPT, Transcript(1, "what time", True))}
     stamps["started"] = t.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
     first = TextDelta("resp_1", "It is ", 0, since_submit_ns=4_500_000)
@@ -159,7 +160,7 @@ def test_a_spoken_turn_is_a_root_with_one_child_per_hop_in_order(make_speech) ->
 def test_a_barge_in_cuts_the_turn_and_its_cancel_has_a_child_per_stage_ack(make_speech) -> None:
     t = Traced()
     spoken_turn(t, make_speech)
-    t.session.turns.speech_started(SpeechStarted(4000, 4300, np.zeros(0, np.int16)))
+    t.session.turns.speech_started(VadStart(4000, 4300, np.zeros(0, np.int16)))
     # the recording link's cancel id: its place in the calls, from 1
     cancel_id = next(i for i, (name, _) in enumerate(t.link.calls, 1) if name == "cancel")
     acks = {}
@@ -232,7 +233,7 @@ def test_turns_no_reply_answers_end_at_their_transcript() -> None:
     t.session.turns.begin(1800)
     t.session.turns.end(2700, create_response=True)
     t.stage("encoder", Kind.TRANSCRIPT, Transcript(3, "and you", True))
-    t.session.turns.speech_started(SpeechStarted(3000, 3300, np.zeros(0, np.int16)))
+    t.session.turns.speech_started(VadStart(3000, 3300, np.zeros(0, np.int16)))
     cancel_id = next(i for i, (name, _) in enumerate(t.link.calls, 1) if name == "cancel")
     for stage in ("encoder", "reasoning", "vocoder"):
         ack = CancelAck(cancel_id, stage, time.monotonic_ns())

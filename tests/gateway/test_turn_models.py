@@ -1,5 +1,5 @@
-"""The turn models on real weights (Silero VAD, Smart Turn v3.2, as set-up fetched them), the
-words that make a sound over the agent an interruption, and semantic_vad's eagerness."""
+"""The turn models on real weights (Silero VAD, Smart Turn v3.2, as set-up fetched them), and
+what a gateway process loads of them (gateway.turns.models)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import sys
 import numpy as np
 import pytest
 
-from gateway.config import BACKCHANNELS
-from gateway.end_of_turn import WINDOW_SAMPLES, EndOfTurnModel
-from gateway.session.interruption import words_that_count
-from gateway.session.turns import Eagerness, decide
-from gateway.silero import SileroModel, SileroVoice
-from gateway.vad import FRAME_SAMPLES, SileroGate, SpeechStarted, SpeechStopped, TurnDetector
+from gateway.turns.classifiers import SileroClassifier
+from gateway.turns.detector import TurnDetector, VadStart, VadStop
+from gateway.turns.end_of_turn import Eagerness
+from gateway.turns.silero import SileroModel, SileroStream
+from gateway.turns.smart_turn import WINDOW_SAMPLES, SmartTurnModel
 from loadtest.offline_quality import speak
 from loadtest.sounds import cough
 from stages.audio import resample
 from stages.backends import bundled
+from stages.messages import FRAME_SAMPLES
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def frames(pcm: np.ndarray) -> list[np.ndarray]:
 
 
 def test_silero_calls_speech_speech_and_silence_silence(silero, question) -> None:
-    voice = SileroVoice(silero)
+    voice = SileroStream(silero)
     p = np.array([voice.probability(f) for f in frames(question)])
     lead = int(0.3 * 50)  # speak() puts 0.3 s of silence first
     assert p[: lead - 2].max() < 0.2
@@ -55,20 +55,20 @@ def test_silero_calls_speech_speech_and_silence_silence(silero, question) -> Non
 
 
 def test_a_silero_turn_detector_starts_and_ends_the_turn(silero, question) -> None:
-    vad = TurnDetector(voice=SileroGate(silero, 0.5))
+    vad = TurnDetector(classifier=SileroClassifier(silero, 0.5))
     events = [
         e
         for f in frames(np.concatenate([question, np.zeros(16000, np.int16)]))
         for e in vad.feed(f)
     ]
     kinds = [type(e) for e in events]
-    assert kinds == [SpeechStarted, SpeechStopped], kinds
+    assert kinds == [VadStart, VadStop], kinds
     stopped = events[-1]
     assert stopped.audio_end_ms - stopped.speech_end_ms == 500
 
 
 def test_the_end_of_turn_model_hears_a_finished_question_and_one_cut_short(question) -> None:
-    model = EndOfTurnModel(bundled.resolve("bundled:smart-turn-v3.2"))
+    model = SmartTurnModel(bundled.resolve("bundled:smart-turn-v3.2"))
     voiced = np.nonzero(np.abs(question) > 300)[0]
     whole = question[: voiced[-1] + 3200]  # 200 ms of silence after the last word
     assert model.probability(whole) >= Eagerness("medium").complete
@@ -79,69 +79,18 @@ def test_the_end_of_turn_model_hears_a_finished_question_and_one_cut_short(quest
     assert features[:, -50:].std() > features[:, :50].std()
 
 
-@pytest.mark.parametrize(
-    ("text", "counts"),
-    [
-        ("Mm-hmm.", False),
-        ("Uh huh.", False),
-        ("Yeah, right.", False),
-        ("I see.", False),
-        ("", False),
-        ("Wait, stop.", True),
-        ("No, that's wrong", True),
-        ("I want Berlin", True),
-    ],
-)
-def test_words_that_count(text: str, counts: bool) -> None:
-    assert bool(words_that_count(text, BACKCHANNELS)) is counts
-
-
-def test_eagerness_orders_its_thresholds_and_waits() -> None:
-    low, medium, high = (Eagerness(e) for e in ("low", "medium", "high"))
-    assert low.complete > medium.complete > high.complete
-    assert (low.max_wait_ms, medium.max_wait_ms, high.max_wait_ms) == (8000, 4000, 2000)
-    assert vars(Eagerness("auto")) == vars(medium)
-
-
-@pytest.mark.parametrize(
-    ("sound", "words", "late", "decision"),
-    [
-        (0.95, None, False, "ended"),  # sure from the sound alone
-        (0.5, 0.6, False, "ended"),  # the words end a sentence
-        (0.1, 0.6, False, "ended"),  # ... even where the sound hears it cut off
-        (None, 0.25, False, "ended"),  # the words came first: the sound was not waited for
-        (0.5, 0.1, False, "window"),  # the words are not sure
-        (0.5, None, False, "window"),  # no words model: the sound is not sure
-        (0.95, 0.01, False, "window"),  # words stop mid-sentence: never before the window
-        (0.1, 0.01, False, "held"),  # both say cut off: the caller gets time
-        (0.1, None, False, "held"),  # no words model, and it sounds cut off
-        (0.1, None, True, "window"),  # words asked for but late: no hold on the sound alone
-        (0.95, None, True, "ended"),
-    ],
-)
-def test_semantic_vad_decides_on_the_sound_and_the_words(
-    sound: float | None, words: float | None, late: bool, decision: str
-) -> None:
-    assert decide(sound, words, late, Eagerness("medium")) == decision
-
-
-def test_without_finished_words_the_sound_is_needed() -> None:
-    with pytest.raises(ValueError, match="the sound decides"):
-        decide(None, 0.1, False, Eagerness("medium"))
-
-
 def test_a_gateway_process_with_its_turn_models_runs_blas_on_one_thread() -> None:
     """OpenBLAS's threads spin through an end-of-turn prediction on every core unless the
-    process keeps BLAS to one thread (gateway.turn_models); a fresh process, since the limit
+    process keeps BLAS to one thread (gateway.turns.models); a fresh process, since the limit
     holds for the whole process."""
     script = (
         "import json, numpy, threadpoolctl\n"
-        "from gateway.config import GatewayConfig\n"
-        "from gateway.turn_models import TurnModels\n"
+        "from gateway.config import TurnsConfig\n"
+        "from gateway.turns.models import TurnModels\n"
         "blas = lambda: [i['num_threads'] for i in threadpoolctl.threadpool_info()"
         " if i['user_api'] == 'blas']\n"
         "before = blas()\n"
-        "models = TurnModels(GatewayConfig())\n"
+        "models = TurnModels(TurnsConfig())\n"
         "print(json.dumps([before, blas(), models.end_of_turn is not None]))\n"
     )
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}  # as on a 2-core machine

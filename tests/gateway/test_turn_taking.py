@@ -36,12 +36,12 @@ def config():
             "encoder.options": {"cpu_threads": 2, "beam_size": 5},
             "encoder.partial_interval_ms": 0,
             "reasoning.sampling": {"max_tokens": 160, "ignore_eos": True},
-            "gateway.interruptions.policy": "provisional",
-            "gateway.voice_activity": "silero",
+            "gateway.turns.interruptions.policy": "provisional",
+            "gateway.turns.vad.classifier": "silero",
             # semantic_vad asks after 100 ms of pause, not 200: on a 2-core machine the sound
             # model takes 50-300 ms of a core, contended by Whisper transcribing at that pause,
             # and the finished question must be ended inside the 500 ms window with room to spare
-            "gateway.end_of_turn_pause_ms": 100,
+            "gateway.turns.end_of_turn.ask_after_ms": 100,
             "gateway.port": 0,
         },
     )

@@ -86,12 +86,12 @@ def test_each_variant_gets_a_config_file_of_its_own_and_bad_keys_are_refused(
     tmp_path: Path,
 ) -> None:
     data = yaml.safe_load(CONFIG.read_text())
-    one = config_for(data, 2, 8, tmp_path, settings=(("gateway.udp_reads_per_wake", 1),))
-    other = config_for(data, 2, 8, tmp_path, settings=(("gateway.udp_reads_per_wake", 32),))
+    one = config_for(data, 2, 8, tmp_path, settings=(("gateway.media.udp_reads_per_wake", 1),))
+    other = config_for(data, 2, 8, tmp_path, settings=(("gateway.media.udp_reads_per_wake", 32),))
     assert one != other
-    assert load_config(one).gateway.udp_reads_per_wake == 1
+    assert load_config(one).gateway.media.udp_reads_per_wake == 1
     assert load_config(other).gateway.processes == 2
     with pytest.raises(ConfigError, match="udp_reads_per_wake"):
-        config_for(data, 1, 8, tmp_path, settings=(("gateway.udp_reads_per_wake", 0),))
+        config_for(data, 1, 8, tmp_path, settings=(("gateway.media.udp_reads_per_wake", 0),))
     with pytest.raises(ConfigError, match="no_such_key"):
         config_for(data, 1, 8, tmp_path, settings=(("gateway.no_such_key", 1),))

@@ -239,8 +239,8 @@ def test_gpu_sharing_variants_can_be_set_for_a_comparison(capsys) -> None:
 
 def test_prepare_reply_variants_can_be_set_for_a_comparison() -> None:
     config, notes = layout_config("one", MODELS, 1, "cuda", Variant(prepare_ms=200))
-    assert config.gateway.prepare_reply_ms == 200
-    assert "gateway.prepare_reply_ms: 200 (from the command line)" in notes
+    assert config.gateway.turns.prepare_reply_ms == 200
+    assert "gateway.turns.prepare_reply_ms: 200 (from the command line)" in notes
 
 
 def test_vocoder_dtype_variants_keep_the_files_other_vocoder_options(capsys) -> None:
@@ -268,9 +268,9 @@ def test_transport_variants_are_named_and_change_nothing_in_the_config(capsys) -
 def test_mps_thread_share_variants(capsys) -> None:
     shares = ThreadShares.parse("reasoning=60:vocoder=40")
     config, _ = layout_config("one", MODELS, 1, "cuda", Variant(thread_shares=shares))
-    assert config.mps_thread_percent == {"reasoning": 60, "vocoder": 40}
+    assert config.experiments.mps_thread_percent == {"reasoning": 60, "vocoder": 40}
     uncapped = Variant(thread_shares=ThreadShares.parse("none"))
-    assert layout_config("one", MODELS, 1, "cuda", uncapped)[0].mps_thread_percent == {}
+    assert layout_config("one", MODELS, 1, "cuda", uncapped)[0].experiments.mps_thread_percent == {}
     assert Variant(sharing="mps", thread_shares=shares).key("one") == (
         "one mps sm reasoning 60 vocoder 40"
     )
@@ -334,10 +334,10 @@ def test_any_config_key_can_be_a_variant_and_a_bad_one_fails_before_anything_run
     assert config.encoder.options["stream_priority"] == "high"
     assert config.vocoder.options["stream_priority"] == "high"
     assert config.vocoder.options["dtype"] == "bfloat16"  # the file's other options stay
-    pair = "gateway.prepare_reply_ms+vocoder.first_phrase_words"
+    pair = "gateway.turns.prepare_reply_ms+vocoder.first_phrase_words"
     early = Variant(settings=(parse_setting(f"{pair}=200+3,120+2")[1],))
     config, _ = layout_config("one", MODELS, 1, "cuda", early)
-    assert (config.gateway.prepare_reply_ms, config.vocoder.first_phrase_words) == (120, 2)
+    assert (config.gateway.turns.prepare_reply_ms, config.vocoder.first_phrase_words) == (120, 2)
     assert early.key("one") == f"one {pair}=120+2"
     for bad in ("max_tokens", "=60", "reasoning..max_tokens=1", "a.b+=1", "a.b+c.d=1+2+3"):
         with pytest.raises(SystemExit):

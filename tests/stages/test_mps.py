@@ -123,19 +123,19 @@ def test_daemon_dies_with_a_killed_supervisor(control: Path, tmp_path: Path) -> 
 
 
 def test_thread_shares_cap_a_stage_only_under_mps() -> None:
-    config = PipelineConfig(gpu_sharing="mps", mps_thread_percent={"vocoder": 40})
-    assert client_env(config.mps_thread_percent.get("vocoder")) == {
+    config = PipelineConfig(gpu_sharing="mps", experiments={"mps_thread_percent": {"vocoder": 40}})
+    assert client_env(config.experiments.mps_thread_percent.get("vocoder")) == {
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"
     }
-    assert client_env(config.mps_thread_percent.get("encoder")) == {}
+    assert client_env(config.experiments.mps_thread_percent.get("encoder")) == {}
     with pytest.raises(
-        ValidationError, match="mps_thread_percent is set but gpu_sharing is 'time-slice'"
+        ValidationError, match=r"experiments\.mps_thread_percent is set but gpu_sharing is 'time"
     ):
-        PipelineConfig(mps_thread_percent={"vocoder": 40})
+        PipelineConfig(experiments={"mps_thread_percent": {"vocoder": 40}})
     with pytest.raises(ValidationError, match=r"mps_thread_percent\.vocoder"):
-        PipelineConfig(gpu_sharing="mps", mps_thread_percent={"vocoder": 0})
+        PipelineConfig(gpu_sharing="mps", experiments={"mps_thread_percent": {"vocoder": 0}})
     with pytest.raises(ValidationError, match=r"mps_thread_percent\.decoder"):
-        PipelineConfig(gpu_sharing="mps", mps_thread_percent={"decoder": 40})
+        PipelineConfig(gpu_sharing="mps", experiments={"mps_thread_percent": {"decoder": 40}})
 
 
 def test_low_priority_stages_are_below_normal_clients_only_under_mps() -> None:

@@ -194,7 +194,7 @@ def test_collect_reply_surfaces_stage_errors(link: PipelineLink, events: EventQu
 def _turn(link: PipelineLink, session: int, turn_id: int, *parts: np.ndarray | str) -> None:
     """Speak `parts` as one turn: audio is sent in 200 ms chunks, 'pause' and 'resume' are the
     gateway's TURN_PAUSED and TURN_RESUMED, and the turn ends after 200 ms of silence."""
-    from stages.driver import CHUNK_SAMPLES
+    from stages.messages import CHUNK_SAMPLES
 
     link.speech_started(session, turn_id)
     for part in parts:

@@ -47,8 +47,8 @@ def test_ring_names_expand_the_replicas() -> None:
 def test_the_config_says_whether_every_producer_yields_to_the_consumer_it_wakes(
     wake_yield: bool,
 ) -> None:
-    config = load_config(TINY, {"rings.wake_yield": wake_yield})
-    names = RingNames.fresh(wake_yield=config.rings.wake_yield)
+    config = load_config(TINY, {"experiments.wake_yield": wake_yield})
+    names = RingNames.fresh(wake_yield=config.experiments.wake_yield)
     rings = RingSet(names, config)
     try:
         ends = attach_ends(names, "reasoning")

@@ -37,7 +37,10 @@ class Noted(VocoderStage):
     """Notes its records for the gateway (ring ends stand-ins: stage_events.recording_ends)."""
 
     def __init__(self, max_lead_ms: int = 2000) -> None:
-        config = PipelineConfig.model_validate({"vocoder": {"max_lead_ms": max_lead_ms}})
+        # espeak: the voice in its wheel, quick to load
+        config = PipelineConfig.model_validate(
+            {"vocoder": {"backend": "espeak", "max_lead_ms": max_lead_ms}}
+        )
         super().__init__(config, recording_ends("vocoder", Epochs(EPOCH)), threading.Event())
         self.gateway = self.ends.outputs["gateway"]
         self.load()

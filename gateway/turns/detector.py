@@ -1,16 +1,13 @@
-"""Server-side turn detection: a voice classifier on 20 ms frames with OpenAI's `server_vad`
-knobs. The classifier is webrtcvad (`WebrtcVoice`) or Silero (`SileroGate`, gateway.silero).
+"""One caller's turns from a speech classifier's per-frame decisions, with OpenAI's
+`server_vad` knobs (gateway.turns.classifiers has the classifiers).
 
-The session feeds every 20 ms frame of the caller's 16 kHz PCM16 and gets `SpeechStarted` /
-`SpeechStopped` back, stamped in ms of audio fed since the session began (the clock OpenAI's
+The session feeds every 20 ms frame of the caller's 16 kHz PCM16 and gets `VadStart` /
+`VadStop` back, stamped in ms of audio fed since the session began (the clock OpenAI's
 `input_audio_buffer.speech_started/stopped` events use). A start carries the audio from
 `prefix_padding_ms` before the speech up to now, so the encoder hears the whole first syllable.
 
 Knobs:
-- `threshold` (0..1, OpenAI default 0.5): higher means louder/clearer speech is needed, like
-  OpenAI's. Silero's is its probability's. webrtcvad has four aggressiveness modes, so the range
-  is cut in quarters: [0, 0.25) → 0, [0.25, 0.5) → 1, [0.5, 0.75) → 2, [0.75, 1] → 3. The
-  default lands on mode 2, the most accurate on speech at 16 kHz (frame accuracy 0.96).
+- `threshold` (0..1, OpenAI default 0.5): the classifier's (gateway.turns.classifiers).
 - `prefix_padding_ms` (default 300): audio before the detected start that goes with the start.
 - `silence_duration_ms` (default 500): unvoiced time after the last speech that ends the turn.
 - `onset_ms` (default 60): voiced time in a row that it takes to start a turn (or, inside a turn,
@@ -27,32 +24,14 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
-import webrtcvad
 
-from gateway.silero import SileroModel, SileroVoice
+from gateway.turns.classifiers import SpeechClassifier, WebrtcClassifier
+from stages.messages import FRAME_MS, FRAME_SAMPLES
 
-__all__ = [
-    "FRAME_MS",
-    "FRAME_SAMPLES",
-    "SAMPLE_RATE",
-    "SileroGate",
-    "SpeechPaused",
-    "SpeechResumed",
-    "SpeechStarted",
-    "SpeechStopped",
-    "TurnDetector",
-    "VadEvent",
-    "Voice",
-    "WebrtcVoice",
-    "aggressiveness_for",
-]
+__all__ = ["TurnDetector", "VadEvent", "VadPause", "VadResume", "VadStart", "VadStop"]
 
-SAMPLE_RATE = 16_000
-FRAME_MS = 20
-FRAME_SAMPLES = SAMPLE_RATE * FRAME_MS // 1000  # 320
 # webrtcvad's noise model starts empty and calls the first ~6 frames of any noise speech (seen
 # here for noise from -70 to -30 dBFS in every mode); they train it but never count as voiced.
 WARMUP_FRAMES = 6
@@ -61,7 +40,7 @@ _SILENT_DBFS = -100.0  # the level of digital silence, instead of -inf
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class SpeechStarted:
+class VadStart:
     """A turn began.
 
     `audio_start_ms` is where the audio handed to the encoder begins: the speech onset minus the
@@ -76,7 +55,7 @@ class SpeechStarted:
 
 
 @dataclass(frozen=True, slots=True)
-class SpeechStopped:
+class VadStop:
     """A turn ended.
 
     `audio_end_ms` is when the silence lasted `silence_duration_ms`, i.e. the end of the audio the
@@ -88,71 +67,26 @@ class SpeechStopped:
 
 
 @dataclass(frozen=True, slots=True)
-class SpeechPaused:
+class VadPause:
     """The caller has been quiet for `pause_ms` inside a turn: the turn may be over. The reply
-    can be prepared now, and is either wanted (SpeechStopped follows) or not (SpeechResumed)."""
+    can be prepared now, and is either wanted (VadStop follows) or not (VadResume)."""
 
     speech_end_ms: int
 
 
 @dataclass(frozen=True, slots=True)
-class SpeechResumed:
-    """Speech again after a SpeechPaused, before the turn ended: the same turn goes on."""
+class VadResume:
+    """Speech again after a VadPause, before the turn ended: the same turn goes on."""
 
     speech_ms: int  # end of the voiced run that counted as speech again
 
 
-VadEvent = SpeechStarted | SpeechStopped | SpeechPaused | SpeechResumed
-
-
-def aggressiveness_for(threshold: float) -> int:
-    """webrtcvad mode (0-3) for an OpenAI-style threshold in [0, 1], by quarters."""
-    if not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must be within [0, 1], got {threshold}")
-    return min(3, int(threshold * 4))
-
-
-class Voice(Protocol):
-    """A per-frame speech classifier: one caller's, it may keep state from frame to frame."""
-
-    def set_threshold(self, threshold: float) -> None: ...
-
-    def is_speech(self, frame: np.ndarray) -> bool: ...
-
-
-class WebrtcVoice:
-    """webrtcvad's decision, its aggressiveness mode from the threshold by quarters."""
-
-    def __init__(self, threshold: float = 0.5) -> None:
-        self._vad = webrtcvad.Vad()
-        self.set_threshold(threshold)
-
-    def set_threshold(self, threshold: float) -> None:
-        self._vad.set_mode(aggressiveness_for(threshold))
-
-    def is_speech(self, frame: np.ndarray) -> bool:
-        return bool(self._vad.is_speech(frame.tobytes(), SAMPLE_RATE))
-
-
-class SileroGate:
-    """Silero's probability against the threshold."""
-
-    def __init__(self, model: SileroModel, threshold: float = 0.5) -> None:
-        self._voice = SileroVoice(model)
-        self.set_threshold(threshold)
-
-    def set_threshold(self, threshold: float) -> None:
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"threshold must be within [0, 1], got {threshold}")
-        self.threshold = threshold
-
-    def is_speech(self, frame: np.ndarray) -> bool:
-        return self._voice.probability(frame) >= self.threshold
+VadEvent = VadStart | VadStop | VadPause | VadResume
 
 
 class TurnDetector:
-    """One caller's turns from a classifier's per-frame decisions (webrtcvad unless `voice`
-    says otherwise), with onset/offset hysteresis."""
+    """One caller's turns from a classifier's per-frame decisions (webrtcvad unless
+    `classifier` says otherwise), with onset/offset hysteresis."""
 
     def __init__(
         self,
@@ -163,11 +97,11 @@ class TurnDetector:
         min_level_dbfs: float = -60.0,
         noise_margin_db: float = 10.0,
         pause_ms: int = 0,
-        voice: Voice | None = None,
+        classifier: SpeechClassifier | None = None,
     ) -> None:
-        """`pause_ms`: silence inside a turn after which SpeechPaused is reported (0: never;
+        """`pause_ms`: silence inside a turn after which VadPause is reported (0: never;
         only a value under `silence_duration_ms` ever fires)."""
-        self._voice = voice or WebrtcVoice(threshold)
+        self._classifier = classifier or WebrtcClassifier(threshold)
         self._frames_fed = 0
         self._noise_floor_dbfs: float | None = None
         self._ring: collections.deque[np.ndarray] = collections.deque()
@@ -194,7 +128,7 @@ class TurnDetector:
         """Change knobs mid-session (`session.update`); None keeps a knob. Durations are rounded
         up to whole 20 ms frames."""
         if threshold is not None:
-            self._voice.set_threshold(threshold)
+            self._classifier.set_threshold(threshold)
             self.threshold = threshold
         for name, value in (
             ("prefix_padding_ms", prefix_padding_ms),
@@ -223,7 +157,7 @@ class TurnDetector:
 
     @property
     def in_speech(self) -> bool:
-        """True between a SpeechStarted and its SpeechStopped."""
+        """True between a VadStart and its VadStop."""
         return self._in_speech
 
     @property
@@ -241,7 +175,7 @@ class TurnDetector:
         `silence_duration_ms` (the end-of-turn model's say); speech again undoes it."""
         self._pause_limit_ms = silence_ms
 
-    def end_turn(self) -> SpeechStopped | None:
+    def end_turn(self) -> VadStop | None:
         """End the turn in progress now (None if there is none)."""
         if not self._in_speech:
             return None
@@ -249,7 +183,7 @@ class TurnDetector:
         self._paused = False
         self._voiced_run = 0
         self._pause_limit_ms = None
-        return SpeechStopped(self.audio_ms, self._speech_end_ms)
+        return VadStop(self.audio_ms, self._speech_end_ms)
 
     @property
     def audio_ms(self) -> int:
@@ -287,7 +221,7 @@ class TurnDetector:
         frame = np.array(frame, dtype=np.int16, copy=True).reshape(-1)
         # Both see every frame: each keeps its own model of the background current.
         loud = self._loud_enough(frame)
-        voiced = self._voice.is_speech(frame) and loud
+        voiced = self._classifier.is_speech(frame) and loud
         self._frames_fed += 1
         voiced = voiced and self._frames_fed > WARMUP_FRAMES
         frame_end_ms = self._frames_fed * FRAME_MS
@@ -303,14 +237,14 @@ class TurnDetector:
             held = list(self._ring)
             audio_start_ms = frame_end_ms - len(held) * FRAME_MS
             self._ring.clear()
-            return [SpeechStarted(audio_start_ms, speech_start_ms, np.concatenate(held))]
+            return [VadStart(audio_start_ms, speech_start_ms, np.concatenate(held))]
 
         if self._voiced_run >= self._onset_frames:
             self._speech_end_ms = frame_end_ms
             self._pause_limit_ms = None
             if self._paused:
                 self._paused = False
-                return [SpeechResumed(frame_end_ms)]
+                return [VadResume(frame_end_ms)]
         elif frame_end_ms - self._speech_end_ms >= (
             self.silence_duration_ms if self._pause_limit_ms is None else self._pause_limit_ms
         ):
@@ -323,5 +257,5 @@ class TurnDetector:
             and frame_end_ms - self._speech_end_ms >= self.pause_ms
         ):
             self._paused = True
-            return [SpeechPaused(self._speech_end_ms)]
+            return [VadPause(self._speech_end_ms)]
         return []

@@ -1,4 +1,5 @@
-"""gateway.vad: turn onsets and ends on real (espeak-ng) speech, no turns from silence or noise."""
+"""gateway.turns.detector and its classifiers: turn onsets and ends on real (espeak-ng) speech,
+no turns from silence or noise."""
 
 from __future__ import annotations
 
@@ -8,17 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.vad import (
-    FRAME_MS,
-    FRAME_SAMPLES,
-    SpeechPaused,
-    SpeechResumed,
-    SpeechStarted,
-    SpeechStopped,
-    TurnDetector,
-    VadEvent,
-    aggressiveness_for,
-)
+from gateway.turns.classifiers import aggressiveness_for
+from gateway.turns.detector import TurnDetector, VadEvent, VadPause, VadResume, VadStart, VadStop
+from stages.messages import FRAME_MS, FRAME_SAMPLES
 
 RATE = 16_000
 SENTENCE = "Hello there, I would like to book a table for two people tonight."
@@ -80,9 +73,9 @@ def test_one_turn_with_accurate_onset_and_end(
     detector = TurnDetector(threshold=threshold)
     events = run(detector, pcm)
 
-    assert [type(e) for _, e in events] == [SpeechStarted, SpeechStopped], events
+    assert [type(e) for _, e in events] == [VadStart, VadStop], events
     (started_at, start), (stopped_at, stop) = events
-    assert isinstance(start, SpeechStarted) and isinstance(stop, SpeechStopped)
+    assert isinstance(start, VadStart) and isinstance(stop, VadStop)
     print(
         f"\nthreshold {threshold} noise {noise:.0f}: "
         f"true speech {true_start:.0f}-{true_end:.0f} ms; "
@@ -108,7 +101,7 @@ def test_prefix_is_the_audio_before_the_start(sentence: np.ndarray) -> None:
     pcm = with_silence(sentence, 700, 600, 0.0, seed=0)
     detector = TurnDetector(prefix_padding_ms=200)
     (started_at, start), *_ = run(detector, pcm)
-    assert isinstance(start, SpeechStarted)
+    assert isinstance(start, VadStart)
     begin = start.audio_start_ms * RATE // 1000
     assert start.speech_start_ms - start.audio_start_ms == 200
     np.testing.assert_array_equal(start.prefix, pcm[begin : started_at * RATE // 1000])
@@ -117,14 +110,14 @@ def test_prefix_is_the_audio_before_the_start(sentence: np.ndarray) -> None:
 def test_pause_shorter_than_silence_duration_keeps_one_turn(sentence: np.ndarray) -> None:
     pause = np.zeros(300 * RATE // 1000, np.int16)
     pcm = with_silence(np.concatenate([sentence, pause, sentence]), 500, 1000, 30.0, seed=3)
-    assert [type(e) for _, e in run(TurnDetector(), pcm)] == [SpeechStarted, SpeechStopped]
+    assert [type(e) for _, e in run(TurnDetector(), pcm)] == [VadStart, VadStop]
 
 
 def test_two_turns_when_the_pause_is_longer(sentence: np.ndarray) -> None:
     pause = np.zeros(1200 * RATE // 1000, np.int16)
     pcm = with_silence(np.concatenate([sentence, pause, sentence]), 500, 1000, 30.0, seed=4)
     kinds = [type(e) for _, e in run(TurnDetector(silence_duration_ms=500), pcm)]
-    assert kinds == [SpeechStarted, SpeechStopped, SpeechStarted, SpeechStopped]
+    assert kinds == [VadStart, VadStop, VadStart, VadStop]
 
 
 def test_a_pause_is_reported_early_then_resumed_or_ended(sentence: np.ndarray) -> None:
@@ -134,16 +127,16 @@ def test_a_pause_is_reported_early_then_resumed_or_ended(sentence: np.ndarray) -
     kinds = [type(e) for _, e in events]
     # one turn; inside it every pause of 200 ms or more (the 350 ms one, and the sentence's
     # own, at its comma) is reported and then resumed; the last one ends the turn 300 ms later
-    assert kinds[0] is SpeechStarted and kinds[-2:] == [SpeechPaused, SpeechStopped]
+    assert kinds[0] is VadStart and kinds[-2:] == [VadPause, VadStop]
     inside = kinds[1:-2]
-    assert len(inside) >= 2 and inside == [SpeechPaused, SpeechResumed] * (len(inside) // 2)
+    assert len(inside) >= 2 and inside == [VadPause, VadResume] * (len(inside) // 2)
     (paused_at, paused), (stopped_at, stopped) = events[-2:]
     assert paused.speech_end_ms == stopped.speech_end_ms  # the same end of speech
     assert paused_at - paused.speech_end_ms == 200
     assert stopped_at - paused_at == 300
     # without pause_ms, the same audio gives only the turn
     kinds = [type(e) for _, e in run(TurnDetector(silence_duration_ms=500), pcm)]
-    assert kinds == [SpeechStarted, SpeechStopped]
+    assert kinds == [VadStart, VadStop]
     with pytest.raises(ValueError, match="pause_ms"):
         TurnDetector(pause_ms=-1)
 
@@ -178,7 +171,7 @@ def test_reset_forgets_a_turn_in_progress_and_keeps_the_clock(sentence: np.ndarr
     pcm = with_silence(sentence, 700, 0, 0.0, seed=0)
     detector = TurnDetector()
     events = run(detector, pcm[: len(pcm) // 2 // FRAME_SAMPLES * FRAME_SAMPLES])
-    assert [type(e) for _, e in events] == [SpeechStarted] and detector.in_speech
+    assert [type(e) for _, e in events] == [VadStart] and detector.in_speech
     fed = detector.audio_ms
     detector.reset()
     assert not detector.in_speech and detector.audio_ms == fed

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.onnx import onnx_session
+from gateway.turns.onnx import onnx_session
+from stages.messages import CALLER_RATE
 
-SAMPLE_RATE = 16_000
 WINDOW = 512
 CONTEXT = 64
 STATE_SHAPE = (2, 1, 128)
@@ -28,7 +28,7 @@ class SileroModel:
 
     def __init__(self, path: str | Path) -> None:
         self.session = onnx_session(path, "Silero VAD model")
-        self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
+        self._sr = np.array(CALLER_RATE, dtype=np.int64)
 
     def window(self, samples: np.ndarray, state: np.ndarray) -> tuple[float, np.ndarray]:
         """Speech probability of one context+window [1, 576] float32, and the next state."""
@@ -36,7 +36,7 @@ class SileroModel:
         return float(out.reshape(-1)[0]), next_state
 
 
-class SileroVoice:
+class SileroStream:
     """One caller's frames through Silero: `probability(frame)` per 20 ms frame."""
 
     def __init__(self, model: SileroModel) -> None:

@@ -23,17 +23,17 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.onnx import onnx_session
+from gateway.turns.onnx import onnx_session
+from stages.messages import CALLER_RATE
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_RATE = 16_000
 WINDOW_S = 8
-WINDOW_SAMPLES = SAMPLE_RATE * WINDOW_S
+WINDOW_SAMPLES = CALLER_RATE * WINDOW_S
 _NORMALISE_EPS = 1e-7
 
 
-class EndOfTurnModel:
+class SmartTurnModel:
     """Smart Turn v3 (any ONNX model with its input `input_features` [B, 80, 800] and one
     probability out), loaded from a folder holding `model.onnx` or from the file itself."""
 
@@ -63,10 +63,10 @@ class EndOfTurnModel:
         return float(np.asarray(out).reshape(-1)[0])
 
 
-class EndOfTurn:
+class SmartTurn:
     """A gateway process's end-of-turn predictions, off the event loop, each timed."""
 
-    def __init__(self, model: EndOfTurnModel) -> None:
+    def __init__(self, model: SmartTurnModel) -> None:
         self.model = model
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="end-of-turn")
 
