@@ -22,6 +22,8 @@ import av
 import numpy as np
 from av import AudioFrame
 
+from stages.messages import CALLER_RATE
+
 logger = logging.getLogger(__name__)
 
 OPUS_RATES = (8_000, 12_000, 16_000, 24_000, 48_000)
@@ -127,7 +129,7 @@ class OpuslibDecoder:
     """aiortc Decoder: RTP Opus payloads to s16 mono frames at `rate`, no resampling. A packet
     libopus rejects is logged and dropped; the stream goes on."""
 
-    def __init__(self, rate: int = 16_000) -> None:
+    def __init__(self, rate: int = CALLER_RATE) -> None:
         if rate not in OPUS_RATES:
             raise ValueError(f"Opus decodes at {OPUS_RATES} Hz, not {rate}")
         self.rate = rate
@@ -195,7 +197,7 @@ class PacketCodec:
     """One session's `audio/opus` over the WebSocket API: a 20 ms packet per event, decoded to
     16 kHz for the pipeline; the agent's audio encoded at 24 kHz, 20 ms a packet."""
 
-    def __init__(self, in_rate: int = 16_000, out_rate: int = 24_000) -> None:
+    def __init__(self, in_rate: int = CALLER_RATE, out_rate: int = 24_000) -> None:
         self.in_rate = in_rate
         self.out_rate = out_rate
         self._lib = opuslib()

@@ -17,11 +17,12 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from gateway.metrics import GatewayMetrics
+from gateway.protocol import TurnDetection
 from gateway.turns.detector import TurnDetector
 from gateway.turns.smart_turn import WINDOW_SAMPLES, SmartTurn
 from stages.messages import FRAME_SAMPLES
@@ -81,14 +82,6 @@ Decided = Callable[[Decision, int], None]
 Spawn = Callable[[Coroutine[Any, Any, None], str], Any]
 
 
-class Detection(Protocol):
-    """The session's turn detection, as the judge reads it (gateway.protocol.TurnDetection)."""
-
-    type: str
-    eagerness: str
-    silence_duration_ms: int
-
-
 class EndOfTurnJudge:
     """semantic_vad for one session. `detector` is the session's turn detector (read only);
     `sound` the process's Smart Turn; `settings` gives the session's turn detection now (it
@@ -100,7 +93,7 @@ class EndOfTurnJudge:
         self,
         detector: TurnDetector,
         sound: SmartTurn,
-        settings: Callable[[], Detection | None],
+        settings: Callable[[], TurnDetection | None],
         metrics: GatewayMetrics,
         spawn: Spawn,
         decided: Decided,

@@ -6,14 +6,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol
 
-
-class Detection(Protocol):
-    """The session's turn detection, as the timer reads it (gateway.protocol.TurnDetection)."""
-
-    type: str
-    idle_timeout_ms: int | None
+from gateway.protocol import TurnDetection
 
 
 class IdleTimer:
@@ -29,7 +23,7 @@ class IdleTimer:
     def armed(self) -> bool:
         return self._handle is not None
 
-    def arm(self, detection: Detection | None, audio_ms: int, after_s: float = 0.0) -> None:
+    def arm(self, detection: TurnDetection | None, audio_ms: int, after_s: float = 0.0) -> None:
         """The agent's reply has been heard (or will have been in `after_s`): the caller has
         idle_timeout_ms from then to say something, `audio_ms` being their audio clock now.
         Only server_vad with a timeout set arms it."""
