@@ -55,7 +55,7 @@ def verify() -> None:
 
 
 def apply(
-    audio_prefetch: int = 1,
+    audio_prefetch: int = 0,
     opus: str = "opuslib",
     udp_reads_per_wake: int = 32,
     decode_on_loop: bool = True,

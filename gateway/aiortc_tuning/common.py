@@ -20,7 +20,7 @@ class Settings:
     """The patches' settings, read by them as peer connections and sockets are made."""
 
     applied: bool = False
-    audio_prefetch: int = 1
+    audio_prefetch: int = 0  # as gateway.media.audio_prefetch's default
     opus: str = "aiortc"
     udp_reads_per_wake: int = 32
     decode_on_loop: bool = True
