@@ -93,10 +93,27 @@ class Gateway:
         self.tracing: Tracing | None = None  # OpenTelemetry, when gateway.tracing is on
         self.watch: LoopWatch | None = None
         self.turn_models: TurnModels | None = None
+        # replaced, never changed in place: a reader thread walks the tuple it read
+        self._stage_observers: tuple[Callable[[Envelope], None], ...] = ()
+
+    def add_stage_observer(self, observer: Callable[[Envelope], None]) -> None:
+        """Have `observer` see every stage record this process receives, before it is routed.
+
+        It runs on a ring reader thread, before the hop to the loop: it must be quick and must
+        not touch the loop's state (hand work over with `loop.call_soon_threadsafe`). One that
+        raises is logged, and the record is routed all the same."""
+        self._stage_observers = (*self._stage_observers, observer)
 
     # reader thread -> loop
     def _on_stage_event(self, event: Envelope) -> None:
         assert self.loop is not None
+        for observer in self._stage_observers:
+            try:
+                observer(event)
+            except Exception:
+                logger.exception(
+                    "stage observer %r failed on a %s record", observer, event.kind.name
+                )
         if self.trace is not None:
             self.trace.record(event, *self.whose(event))
         self.loop.call_soon_threadsafe(self._route, event)
