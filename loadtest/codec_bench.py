@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import describe_machine, ms_summary, publish
+from loadtest.bench import describe_machine, ms_summary, publish
 from stages.backends.snac_codec import TOKENS_PER_FRAME, Window, load_snac
 from stages.backends.tiny_talker import ensure_snac
 

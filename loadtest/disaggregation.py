@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import log, summary
+from loadtest.bench import log, summary
 from loadtest.voices import spoken
 from stages.messages import CALLER_RATE, CHUNK_SAMPLES
 from stages.tasks import cancel_and_wait

@@ -19,7 +19,7 @@ on, to measure the barge-in it saves (the agent silenced at the caller's first v
 instead of at the VAD's onset decision). `--set KEY=V1,V2` (repeatable) runs each count with any
 other config key at each value, e.g. `--set gateway.media.udp_reads_per_wake=1,32`.
 
-On a GPU machine, `--layout one` runs loadtest.gpu_run's layout instead of a config file, on
+On a GPU machine, `--layout one` runs loadtest.gpu_layouts' layout instead of a config file, on
 the random-weight models of real shapes it builds (or finds) in `--models-root`.
 """
 
@@ -44,9 +44,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, parse_config, set_dotted
-from loadtest.gpu_run import add_set_argument, caller_speech, log, run_callers, summary
+from loadtest.bench import log, summary
+from loadtest.caller_load import run_callers
 from loadtest.report import Processes, gap_figures, machine, spoken_questions
 from loadtest.service import Service
+from loadtest.settings import add_set_argument
+from loadtest.voices import caller_speech
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
 GAP_MS = 60.0
@@ -303,8 +306,8 @@ def base_config(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if not args.layout:
         return load_config(args.config), str(args.config)
+    from loadtest.gpu_layouts import layout_config
     from loadtest.gpu_models import describe, ensure_models
-    from loadtest.gpu_run import layout_config
     from stages.placement import count_gpus
 
     # built in a process of its own, so the CUDA memory the build used is given back
@@ -326,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parser.add_argument("--config", type=Path, default=CONFIG)
-    parser.add_argument("--layout", help="a loadtest.gpu_run layout (one, tp2) instead")
+    parser.add_argument("--layout", help="a loadtest.gpu_layouts layout (one, tp2) instead")
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="--layout's")
     parser.add_argument("--processes", type=ints, default=[1, 2])

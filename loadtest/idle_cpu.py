@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import describe_machine, log
+from loadtest.bench import describe_machine, log
 from loadtest.service import ROOT, Service
 
 TARGET_PERCENT = 1.0  # of one core, DESIGN.md

@@ -39,7 +39,7 @@ from av import AudioFrame
 from gateway import aiortc_tuning
 from gateway.config import MediaConfig
 from gateway.ice import restrict_host_addresses
-from loadtest.gpu_run import log, summary
+from loadtest.bench import log, summary
 from loadtest.report import machine
 
 RATE = 48_000

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import describe_machine, log
+from loadtest.bench import describe_machine, log
 
 ROOT = Path(__file__).parents[1]
 SENTENCES = (
@@ -271,7 +271,7 @@ async def run_encoder(
     judge: Any,
 ) -> dict[str, Any]:
     from gateway.config import load_config
-    from loadtest.gpu_run import tapped_gateway
+    from loadtest.tap import tapped_gateway
     from stages.supervisor import Supervisor
 
     config = load_config(config_path, {"gateway.port": 0, **settings})

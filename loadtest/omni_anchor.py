@@ -9,7 +9,7 @@ Qwen2.5-Omni-7B's shapes with random weights (loadtest.omni_models; vLLM's dummy
 three stages, thinker -> talker -> token2wav, all on GPU 0 with a deploy configuration written
 here from its own for that model (thinker and talker batched up to the largest load; token2wav
 one request at a time, as its own deploy has it: it decodes a batch's codes as one sequence).
-Callers send the question ours hears (loadtest.gpu_run's caller_speech, 16 kHz WAV) to its
+Callers send the question ours hears (loadtest.voices' caller_speech, 16 kHz WAV) to its
 OpenAI-compatible /v1/chat/completions with streamed text and audio, `--requests` one after
 another each, at each load of concurrent callers.
 
@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import describe_machine, log, summary
+from loadtest.bench import describe_machine, log, summary
 
 MODEL_NAME = "qwen2.5-omni"
 CODEC_TOKENS_A_SECOND = 50  # Qwen2.5-Omni's talker
@@ -335,7 +335,7 @@ def gpu_memory_mib() -> int | None:
 
 def question_wav() -> bytes:
     """The question ours hears in loadtest.gpu_run, at 16 kHz (no resampling in the server)."""
-    from loadtest.gpu_run import caller_speech
+    from loadtest.voices import caller_speech
     from stages.audio import resample
 
     return wav_bytes(resample(caller_speech(), 48000, 16000), 16000)

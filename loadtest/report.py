@@ -10,7 +10,7 @@ questions made by espeak-ng, wait for the agent, listen a moment and talk over i
 after the first is a barge-in). A load above `--max-calls` (gateway.max_calls) has its extra
 callers refused with 503. For each load it reports:
 - turn latency (the caller's end of speech to the first agent audio it receives) p50/p95/p99,
-  and the same split into hops from the ring records' CLOCK_MONOTONIC stamps (loadtest.gpu_run);
+  and the same split into hops from the ring records' CLOCK_MONOTONIC stamps (loadtest.latency);
 - the pipeline overhead: the turn less the VAD silence window and the model time the stages
   timed on its path (final decode, first token, the first phrase's words, its first chunk),
   in all and by hop;
@@ -41,18 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import (
-    HOPS,
-    add_set_argument,
-    calls_gone,
-    describe_machine,
-    load_figures,
-    log,
-    run_callers,
-    setting_overrides,
-    summary,
-    tapped_gateway,
-)
+from loadtest.bench import describe_machine, log, summary
+from loadtest.caller_load import run_callers
+from loadtest.latency import HOPS, load_figures
+from loadtest.settings import add_set_argument, setting_overrides
+from loadtest.tap import calls_gone, tapped_gateway
 from loadtest.voices import spoken
 
 CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
@@ -286,7 +279,7 @@ def load_report(
     wall_s: float,
     samples: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """One load's figures: loadtest.gpu_run's latencies (with p99), sessions admitted and
+    """One load's figures: loadtest.latency's (with p99), sessions admitted and
     refused, audio gaps both ways, CPU per admitted session, and memory during the load."""
     figures = load_figures(reports, seen, silence_ms, qs=(50, 95, 99))
     admitted = [r for r in reports if r.get("call_id")]

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.gpu_run import describe_machine, log
+from loadtest.bench import describe_machine, log
 from loadtest.idle_cpu import stage_pids
 from loadtest.service import ROOT, Service
 

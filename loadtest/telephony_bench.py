@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from loadtest.bench import describe_machine, log, publish
+from loadtest.bench import ms_summary as ms
 from loadtest.callers import run_callers
-from loadtest.gpu_run import describe_machine, log, publish
-from loadtest.gpu_run import ms_summary as ms
 from loadtest.phone import PhoneCall
 from loadtest.service import ROOT, Service
 from loadtest.voices import spoken

@@ -38,8 +38,8 @@ import aiohttp
 import numpy as np
 import yaml
 
-from loadtest.gpu_run import describe_machine, log, publish
-from loadtest.gpu_run import ms_summary as ms
+from loadtest.bench import describe_machine, log, publish
+from loadtest.bench import ms_summary as ms
 from loadtest.service import ROOT, Service
 from loadtest.voices import VOICED_SAMPLE, spoken
 

@@ -6,8 +6,8 @@ and interruption policy, side by side in one run.
         [--set KEY=V1[,V2] ...] [--turn-detections server_vad,semantic_vad] [--out DIR]
     python -m loadtest.turn_taking --layout one --models-root /tmp/gpu-models --callers 8,32 ...
 
-`--layout` runs one of loadtest.gpu_run's layouts (gpu-one.yaml: random weights of real
-shapes, built under --models-root as gpu_run builds them) instead of a config file; --set
+`--layout` runs one of loadtest.gpu_layouts' layouts (gpu-one.yaml: random weights of real
+shapes, built under --models-root as the GPU run builds them) instead of a config file; --set
 changes it as there (e.g. the real Whisper tiny.en on the host's CPU, whose words the
 end-of-turn words model can judge), and a key given several values makes each a variant of
 each policy, named POLICY:CLASSIFIER+KEY=VALUE, on a service started afresh.
@@ -61,14 +61,9 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import (
-    CALLERS_PER_PROCESS,
-    add_set_argument,
-    describe_machine,
-    log,
-    setting_overrides,
-    summary,
-)
+from loadtest.bench import describe_machine, log, summary
+from loadtest.caller_load import CALLERS_PER_PROCESS
+from loadtest.settings import add_set_argument, setting_overrides
 
 ROOT = Path(__file__).parents[1]
 VOICES = ("piper", "espeak:en-us", "espeak:en-us+f3")
@@ -479,7 +474,7 @@ def variant_config(variant: str, args: Any, chosen: tuple[tuple[str, Any], ...] 
     }
     if args.layout is None:
         return load_config(args.config, settings)
-    from loadtest.gpu_run import Variant, layout_config
+    from loadtest.gpu_layouts import Variant, layout_config
 
     config, _ = layout_config(
         args.layout,
@@ -502,7 +497,7 @@ async def run_variant(
     """Each of `args.turn_detections` at each load of `args.callers`, handed to `measured` as
     it is done (so that a run cut short keeps what it measured); `name`: the variant's in the
     log, POLICY:CLASSIFIER with the `--set` values `chosen` it differs by."""
-    from loadtest.gpu_run import tapped_gateway
+    from loadtest.tap import tapped_gateway
     from stages.supervisor import Supervisor
 
     config = variant_config(variant, args, chosen)
@@ -617,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layout",
         default=None,
-        help="a loadtest.gpu_run layout (one, talker, ...) instead of --config, its models "
+        help="a loadtest.gpu_layouts layout (one, talker, ...) instead of --config, its models "
         "under --models-root",
     )
     parser.add_argument("--models-root", type=Path, default=Path(".cache/gpu-models"))
@@ -664,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--callers {args.callers}: at least one load of at least 1 caller")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.layout is not None:
-        from loadtest.gpu_run import LAYOUT_CONFIGS, build_models
+        from loadtest.gpu_layouts import LAYOUT_CONFIGS, build_models
         from stages.placement import count_gpus
 
         if args.layout not in LAYOUT_CONFIGS:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.gpu_run import describe_machine, summary
+from loadtest.bench import describe_machine, summary
 
 FRAME = 320  # 20 ms at 16 kHz
 PAUSE_MS = 200

@@ -1,4 +1,5 @@
-"""The load generator's callers' voices: sentences spoken by Debian's espeak-ng."""
+"""The load generator's callers' voices: sentences spoken by Debian's espeak-ng, and the
+question of the GPU run's callers spoken by espeak-ng from its wheel."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 # espeak's Klatt variant: pocketsphinx recognizes it far better than the default voice
 ESPEAK_VOICE = ("-v", "en-us+klatt", "-s", "140")
 VOICED_SAMPLE = 500  # |sample| above which a clip counts as speech
+QUESTION = "tell me about the weather today"  # what the GPU run's callers ask
 
 
 def spoken(text: str, rate: int = 48_000, *, trim: bool = True) -> np.ndarray:
@@ -27,3 +29,27 @@ def spoken(text: str, rate: int = 48_000, *, trim: bool = True) -> np.ndarray:
     if trim:
         pcm = pcm[int(np.argmax(np.abs(pcm) > VOICED_SAMPLE)) :]
     return resample(pcm, source_rate, rate)
+
+
+def caller_speech(pause_ms: int = 0) -> np.ndarray:
+    """The caller's question spoken by espeak-ng (from its wheel), 48 kHz, leading silence cut.
+
+    With `pause_ms` the question is two halves with that much silence between them: a caller
+    who stops mid-sentence, so a reply prepared at the pause is started and then dropped."""
+    from stages.audio import resample
+    from stages.backends.tts_espeak import load_espeak
+
+    voice = load_espeak(voice="en-us")
+
+    def speak(text: str, *, trailing_silence: bool = True) -> np.ndarray:
+        pcm = np.concatenate(list(voice.synthesize(text)))
+        voiced = np.flatnonzero(np.abs(pcm) > VOICED_SAMPLE)
+        end = len(pcm) if trailing_silence else voiced[-1] + 1
+        return resample(pcm[voiced[0] : end], voice.sample_rate, 48000)
+
+    if not pause_ms:
+        return speak(QUESTION)
+    words = QUESTION.split()
+    first, rest = " ".join(words[: len(words) // 2]), " ".join(words[len(words) // 2 :])
+    silence = np.zeros(48 * pause_ms, dtype=np.int16)
+    return np.concatenate([speak(first, trailing_silence=False), silence, speak(rest)])
