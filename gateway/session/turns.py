@@ -9,7 +9,6 @@ a `TurnListener`.
 from __future__ import annotations
 
 import collections
-import logging
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -29,8 +28,6 @@ from stages.messages import CALLER_RATE, CHUNK_SAMPLES, FRAME_MS, FRAME_SAMPLES
 
 if TYPE_CHECKING:
     from gateway.turns.models import TurnModels
-
-logger = logging.getLogger(__name__)
 
 MANUAL_BUFFER_S = 120  # audio held for a manual commit, at most
 TURN_AUDIO_FRAMES = 12 * 1000 // FRAME_MS  # a turn's audio kept: the end-of-turn model reads
