@@ -64,7 +64,7 @@ async def gateway_processes(
 ) -> AsyncIterator[tuple[str, web.Application]]:
     """The gateway served in this process and, with `gateway.processes` > 1, in that many
     processes in all on the same port; yields (base URL, this process's app). `on_app` sees
-    the app before it starts (loadtest.gpu_run taps it); `member` makes every process one of
+    the app before it starts (loadtest.tap taps it); `member` makes every process one of
     a cluster's gateway hosts (gateway.hosts). Afterwards every call is closed and the other
     processes are stopped."""
     processes = config.gateway.processes

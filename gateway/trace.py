@@ -3,7 +3,7 @@
 With `gateway.trace_dir` set, every gateway process appends each record its ring readers hand
 it to `<trace_dir>/<instance>.trace`, stamped with when it arrived and the call it belongs to:
 the stages' own CLOCK_MONOTONIC stamps joined with the gateway's, across processes (one host,
-one clock). loadtest.gpu_run reads the traces of the gateway processes it does not run itself.
+one clock). loadtest.tap reads the traces of the gateway processes it does not run itself.
 Audio records are traced without their samples. Each entry is its length (4 bytes, little
 endian) and then MessagePack, written at once (one write call, a few microseconds of the
 reader thread's), so a trace read while the gateway runs holds everything received so far.

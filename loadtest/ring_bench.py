@@ -42,13 +42,15 @@ Recv = Callable[[float], bytes | None]
 
 
 @dataclass
-class Transport:
+class Channel:
+    """One of the compared transports, as the child processes rebuild it from `spec`."""
+
     name: str
     spec: Any
     cleanup: Callable[[], None] = lambda: None
 
 
-def make_transport(name: str, tmpdir: str) -> Transport:
+def make_transport(name: str, tmpdir: str) -> Channel:
     if name in ("omni_ring", "omni_ring_yield"):
         from shm import Control, Ring, segment_name
 
@@ -59,19 +61,19 @@ def make_transport(name: str, tmpdir: str) -> Transport:
             ring.close()
             control.close()
 
-        return Transport(name, (ring.name, control.name), close)
+        return Channel(name, (ring.name, control.name), close)
     if name == "mp_queue":
-        return Transport(name, mp.get_context("spawn").Queue())
+        return Channel(name, mp.get_context("spawn").Queue())
     if name == "mp_pipe":
-        return Transport(name, mp.get_context("spawn").Pipe(duplex=False))
+        return Channel(name, mp.get_context("spawn").Pipe(duplex=False))
     if name == "faster_fifo":
         from faster_fifo import Queue
 
-        return Transport(name, Queue(max_size_bytes=1 << 24))
+        return Channel(name, Queue(max_size_bytes=1 << 24))
     if name == "zmq_ipc":
-        return Transport(name, f"ipc://{tempfile.mkdtemp(dir=tmpdir)}/bench.sock")
+        return Channel(name, f"ipc://{tempfile.mkdtemp(dir=tmpdir)}/bench.sock")
     if name == "zmq_tcp":
-        return Transport(name, f"tcp://{FAR_HOST}:{_free_port(FAR_HOST)}")
+        return Channel(name, f"tcp://{FAR_HOST}:{_free_port(FAR_HOST)}")
     if name == "omni_bridged":
         return _bridged()
     raise ValueError(f"unknown transport {name!r}")
@@ -88,7 +90,7 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _bridged() -> Transport:
+def _bridged() -> Channel:
     """A crossing link as stages.bridge makes one: the producer's ring on this "host", a
     RingToWire process popping it, TCP to 127.0.0.2, a WireToRing process pushing into the
     consumer's ring with a mirror control. Four processes, as on two hosts."""
@@ -122,7 +124,7 @@ def _bridged() -> Transport:
         for segment in (near, far, control, mirror):
             segment.close()
 
-    return Transport("omni_bridged", (near.name, far.name, control.name, mirror.name), close)
+    return Channel("omni_bridged", (near.name, far.name, control.name, mirror.name), close)
 
 
 def _ring_to_wire(ring_name: str, control_name: str, endpoint: str) -> None:

@@ -74,7 +74,7 @@ class NoRings:
         return lambda *args, **kwargs: None
 
 
-class Speaker:
+class SilentTransport:
     """A WebRTC-like transport that drops what it is given."""
 
     kind = "webrtc"
@@ -104,7 +104,7 @@ def _session(tracing: Tracing | None) -> RealtimeSession:
         turns=TurnsConfig(prepare_reply_ms=0, interruptions={"policy": "immediate"}),
         tracing=tracing,
     )
-    session.bind(Speaker())  # type: ignore[arg-type]
+    session.bind(SilentTransport())  # type: ignore[arg-type]
     return session
 
 

@@ -81,7 +81,7 @@ async def serving_gateway_alone(
 ) -> AsyncIterator[tuple[str, web.Application]]:
     """The gateway's app with no stages, on rings of its own: for what its HTTP endpoints
     answer (headers, auth, admission) without the seconds the stages take to start. A call
-    it takes connects, but nothing answers it. `process`: create_app's."""
+    it takes connects, but nothing answers it. `process`: build_app's."""
     names = RingNames.fresh(wake_yield=config.experiments.wake_yield)
     rings = RingSet(names, config)
     try:
