@@ -42,7 +42,8 @@ _TURNS_END = re.compile(r"^\S+ / \w+ \d+ callers: ")
 _STEPS = re.compile(
     rf"^vLLM steps in \d+ s, record to record: decoding only (\d+)(?:, p50 {_NUM} ms, "
     rf"p99 {_NUM} ms, max {_NUM} ms)?; finishing a prefill(?: \((\d+) prompt tokens a step\))? "
-    rf"(\d+)(?:, p50 {_NUM} ms, p99 {_NUM} ms, max {_NUM} ms)?$"
+    rf"(\d+)(?:, p50 {_NUM} ms, p99 {_NUM} ms, max {_NUM} ms)?"
+    rf"(?:; KV cache held p50 {_NUM}%, p99 {_NUM}%, max {_NUM}%)?$"
 )
 _LATENCY = re.compile(
     rf"^(.+): (\d+) in \d+ s, p50 {_NUM} ms, p95 {_NUM} ms, p99 {_NUM} ms, max {_NUM} ms$"
@@ -102,6 +103,11 @@ class Load:
             if m[8] is not None:
                 self.spreads["vLLM step, finishing a prefill"].add(
                     int(m[6]), float(m[7]), float(m[8]), float(m[9])
+                )
+            if m[10] is not None:  # percent, over the busy steps
+                steps = int(m[1]) + int(m[6])
+                self.spreads["vLLM KV cache held, %"].add(
+                    steps, float(m[10]), float(m[11]), float(m[12])
                 )
         elif m := _COUNTS.match(text):
             for part in m[3].split(", "):

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
+
 from stages.passlog import CountLog, spread_ms
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,8 @@ class StepLog:
     flight, so its tail is the long steps', and this says which kind they are. (Under vLLM's
     asynchronous scheduling, its default, a step is scheduled while the one before runs, and a
     long step's interval shows on the record after its own: run synchronously to tell them
-    apart.)"""
+    apart.) The line ends with the share of the KV cache's blocks held, over the busy records:
+    what prefilling turns while the caller speaks costs in memory."""
 
     def __init__(self, every_s: float = 10.0) -> None:
         self.every_s = every_s
@@ -47,19 +50,24 @@ class StepLog:
         self._decode: list[float] = []
         self._prefill: list[float] = []
         self._prompt_tokens = 0
+        self._usage: list[float] = []
 
-    def add(self, now: float, busy: bool, prompt_tokens: int) -> None:
-        """A record at `now` (monotonic s); `busy`: the engine had requests after its step."""
+    def add(self, now: float, busy: bool, prompt_tokens: int, usage: float = 0.0) -> None:
+        """A record at `now` (monotonic s); `busy`: the engine had requests after its step;
+        `usage`: the share of KV blocks held after it."""
         if self._since is None:
             self._since = now
         if self._last is not None:
             (self._prefill if prompt_tokens else self._decode).append(now - self._last)
             self._prompt_tokens += prompt_tokens
+            self._usage.append(usage)
         self._last = now if busy else None
         if now - self._since < self.every_s or not (self._decode or self._prefill):
             return
+        p50, p99 = np.percentile(self._usage, (50, 99)) * 100
         logger.info(
-            "vLLM steps in %.0f s, record to record: %s; %s",
+            "vLLM steps in %.0f s, record to record: %s; %s; KV cache held p50 %.1f%%, "
+            "p99 %.1f%%, max %.1f%%",
             now - self._since,
             _spread("decoding only", self._decode),
             _spread(
@@ -67,8 +75,12 @@ class StepLog:
                 " prompt tokens a step)",
                 self._prefill,
             ),
+            p50,
+            p99,
+            100 * max(self._usage),
         )
         self._since, self._decode, self._prefill, self._prompt_tokens = now, [], [], 0
+        self._usage = []
 
 
 def _spread(what: str, seconds: list[float]) -> str:
@@ -96,7 +108,7 @@ class KvUsageMonitor:
         self.usage = usage
         self.requests = requests  # running + waiting in the scheduler at that step
         self.updated_at = time.monotonic()
-        self.steps.add(self.updated_at, requests > 0, prompt_tokens)
+        self.steps.add(self.updated_at, requests > 0, prompt_tokens, usage)
         if self._changed is not None:
             self._changed.set()
             self._changed = None

@@ -19,9 +19,9 @@ ROOT = Path(__file__).parents[2]
 def _stage_lines(caplog: pytest.LogCaptureFixture) -> dict[str, str]:
     """One line of each kind, made by the classes that write them."""
     steps = StepLog(every_s=3600)
-    steps.add(0.000, busy=True, prompt_tokens=0)
-    steps.add(0.005, busy=True, prompt_tokens=0)
-    steps.add(0.017, busy=True, prompt_tokens=120)
+    steps.add(0.000, busy=True, prompt_tokens=0, usage=0.2)
+    steps.add(0.005, busy=True, prompt_tokens=0, usage=0.2)
+    steps.add(0.017, busy=True, prompt_tokens=120, usage=0.4)
     steps.every_s = 0
     hops = CancelHops()
     for log in hops.logs:
@@ -75,6 +75,8 @@ def test_a_runs_stage_lines_are_gathered_by_variant_and_load(
     decoding = report["vLLM step, decoding only"]
     assert decoding["events"] == 2 and decoding["max_ms"] == pytest.approx(5.0)
     assert report["vLLM step, finishing a prefill"]["max_ms"] == pytest.approx(12.0)
+    held = report["vLLM KV cache held, %"]  # the three busy steps'
+    assert held["events"] == 3 and held["max_ms"] == pytest.approx(40.0)
     hop = report["cancel of a reply being made: read to vLLM's abort sent"]
     assert hop == {"events": 1, "p50_ms": [2.0, 2.0], "p99_ms": [2.0, 2.0], "max_ms": 2.0}
     assert report["vLLM aborts, how their freed blocks were seen"] == {

@@ -359,17 +359,17 @@ def test_the_step_log_times_busy_steps_by_kind(caplog: pytest.LogCaptureFixture)
     """The first step after an idle engine is not timed: the gap before it was idle time."""
     log = StepLog(every_s=3600)
     log.add(100.000, busy=False, prompt_tokens=0)  # the engine went idle
-    log.add(105.000, busy=True, prompt_tokens=30)  # a prompt came 5 s later
-    log.add(105.010, busy=True, prompt_tokens=0)
-    log.add(105.030, busy=True, prompt_tokens=50)  # another prompt, beside the first reply
+    log.add(105.000, busy=True, prompt_tokens=30, usage=0.1)  # a prompt came 5 s later
+    log.add(105.010, busy=True, prompt_tokens=0, usage=0.1)
+    log.add(105.030, busy=True, prompt_tokens=50, usage=0.3)  # another, beside the first reply
     log.every_s = 0
     with caplog.at_level(logging.INFO, logger="stages.backends.vllm_stats"):
-        log.add(105.040, busy=False, prompt_tokens=0)
+        log.add(105.040, busy=False, prompt_tokens=0, usage=0.0)
     (record,) = caplog.records
     assert record.getMessage() == (
         "vLLM steps in 5 s, record to record: decoding only 2, p50 10.0 ms, p99 10.0 ms, "
         "max 10.0 ms; finishing a prefill (50 prompt tokens a step) 1, p50 20.0 ms, "
-        "p99 20.0 ms, max 20.0 ms"
+        "p99 20.0 ms, max 20.0 ms; KV cache held p50 10.0%, p99 29.6%, max 30.0%"
     )
 
 
