@@ -263,6 +263,7 @@ class Gateway:
             turn_models=models,
             tracing=self.tracing,
             tools=gw.tools,
+            speech_in=self.config.reasoning.speech_in is not None,
         )
         self.calls[call.call_id] = call
         self.admission.admit(call.call_id, holder)

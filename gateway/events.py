@@ -47,6 +47,7 @@ def response_obj(
     output: list[dict[str, Any]] | None = None,
     status_details: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
+    usage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `response` object of response.created and response.done."""
     return {
@@ -58,7 +59,33 @@ def response_obj(
         "output_modalities": ["audio"] if audio else ["text"],
         "metadata": metadata,
         "conversation_id": None,
-        "usage": None,
+        "usage": usage,
+    }
+
+
+def usage(
+    input_tokens: int = 0, audio_tokens: int = 0, cached_tokens: int = 0, output_tokens: int = 0
+) -> dict[str, Any]:
+    """A response's `usage`, in OpenAI's shape: the prompt's positions (text tokens, and
+    under speech-in audio rows), those the prefix cache held, the tokens generated. The
+    agent's audio is made from its text by the vocoder: it counts no tokens of its own."""
+    text = input_tokens - audio_tokens
+    return {
+        "total_tokens": input_tokens + output_tokens,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "input_token_details": {
+            "text_tokens": text,
+            "audio_tokens": audio_tokens,
+            "image_tokens": 0,
+            "cached_tokens": cached_tokens,
+            "cached_tokens_details": {
+                "text_tokens": min(cached_tokens, text),
+                "audio_tokens": max(0, cached_tokens - text),
+                "image_tokens": 0,
+            },
+        },
+        "output_token_details": {"text_tokens": output_tokens, "audio_tokens": 0},
     }
 
 

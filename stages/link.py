@@ -116,8 +116,10 @@ class PipelineLink:
         encoder = self.ends.outbox("encoder", session)
         return encoder.push(session, Kind.AUDIO_IN, payload, timeout=0.2)
 
-    def speech_started(self, session: int, turn_id: int, audio_start_ms: int = 0) -> None:
-        self._send("encoder", session, SpeechStarted(turn_id, audio_start_ms))
+    def speech_started(
+        self, session: int, turn_id: int, audio_start_ms: int = 0, provisional: bool = False
+    ) -> None:
+        self._send("encoder", session, SpeechStarted(turn_id, audio_start_ms, provisional))
 
     def speech_stopped(
         self,

@@ -32,6 +32,8 @@ class Kind(enum.IntEnum):
     TURN_RESUMED = 5  # ... or drop it: the caller went on (encoder -> reasoning too)
     # encoder -> gateway, encoder -> reasoning
     TRANSCRIPT = 10
+    # encoder -> reasoning, speech-in: the audio tower's embeddings of a turn as it is spoken
+    AUDIO_EMBEDDINGS = 11
     # gateway -> reasoning
     RESPONSE_CREATE = 20
     TRUNCATE = 21
@@ -65,6 +67,9 @@ class Msg(msgspec.Struct, array_like=True, gc=False, frozen=True):
 class SpeechStarted(Msg):
     turn_id: int
     audio_start_ms: int = 0
+    # the caller speaks over the agent, and the gateway decides from the transcript whether
+    # that is an interruption (gateway.turns.interruption): no speech-in rows are made for it
+    provisional: bool = False
 
 
 class SpeechStopped(Msg):
@@ -105,6 +110,29 @@ class Transcript(Msg):
     # speculative only: how likely the words end the caller's turn (0..1, from
     # encoder.end_of_turn_words; -1: not judged), weighed by semantic_vad
     finished: float = -1.0
+
+
+class AudioEmbeddings(Msg):
+    """Speech-in (stages.backends.speech_in): rows of a turn's audio in the language model's
+    embedding space, made by the audio tower in the encoder stage as the caller speaks. A
+    window's rows are sent once it is complete and never change (`seq` counts a turn's
+    records from 0): reasoning prefills the turn so far from them. `final`: the last rows,
+    as the turn ended (SPEECH_STOPPED); `speculative`: the rows of the open window at a
+    pause (TURN_PAUSED), on which the reply is prepared and held. `data` is `rows` x `dim`
+    values of `dtype` ("bfloat16", "float16" or "float32"), row-major."""
+
+    turn_id: int
+    seq: int
+    rows: int
+    dim: int
+    dtype: str
+    data: bytes
+    final: bool = False
+    speculative: bool = False
+    create_response: bool = True  # from the SPEECH_STOPPED or TURN_PAUSED it answers
+    # a final whose turn said nothing since the pause: the rows at the pause stand
+    as_paused: bool = False
+    speech_stopped_ns: int = 0  # CLOCK_MONOTONIC of the SPEECH_STOPPED a final answers
 
 
 class Tool(Msg):
@@ -243,6 +271,11 @@ class ResponseDone(Msg):
     text: str  # whole reply as generated (the spoken part comes back through PHRASE)
     output_tokens: int = 0
     first_token_ns: int = 0
+    # the prompt as the engine took it: its positions, of which audio rows (speech-in), and
+    # those found in the prefix cache (the usage of response.done)
+    input_tokens: int = 0
+    input_audio_tokens: int = 0
+    cached_tokens: int = 0
     # the function calls it made, in order (gateway only); a call whose arguments are not a
     # JSON object, or which names no tool, is in `bad_calls` instead, with why
     tool_calls: list[ToolCall] = []
@@ -304,6 +337,7 @@ SCHEMAS: dict[Kind, type[Msg]] = {
     Kind.TURN_PAUSED: TurnPaused,
     Kind.TURN_RESUMED: TurnResumed,
     Kind.TRANSCRIPT: Transcript,
+    Kind.AUDIO_EMBEDDINGS: AudioEmbeddings,
     Kind.RESPONSE_CREATE: ResponseCreate,
     Kind.TRUNCATE: Truncate,
     Kind.RESPONSE_STOP: ResponseStop,

@@ -6,6 +6,11 @@ A reply can start early, on the transcript of the turn so far when the caller pa
 (stages.prepared): its records for the gateway are held back until the final transcript says
 which way the turn went; the vocoder gets them as they come.
 
+Under speech-in (reasoning.speech_in), a turn is its audio tower's rows, not its transcript:
+they come window by window as the caller speaks, each window's prefilled (stages.speech_in),
+and the reply starts when the last rows come; the transcript comes after, for the history's
+text.
+
 A dead vLLM engine (its engine core process gone) ends this stage with an error, so that the
 supervisor restarts it and tells its sessions, instead of failing every later turn."""
 
@@ -27,6 +32,7 @@ from stages.config import TINY_CHAT_MODEL, PipelineConfig, ReasoningConfig
 from stages.conversation import ChatHistory
 from stages.envelope import Envelope
 from stages.messages import (
+    AudioEmbeddings,
     Cancel,
     History,
     Msg,
@@ -47,6 +53,7 @@ from stages.messages import (
 from stages.passlog import CancelHops, CountLog
 from stages.prepared import EarlyReply, HeldBack
 from stages.rings import GATEWAY, Ends
+from stages.speech_in import EmbeddedPrompt, SpokenTurn, rows_tensor, speech_in_model
 from stages.stage import Stage
 from stages.stops import Stop
 from stages.tasks import Tasks, cancel_and_wait
@@ -108,6 +115,8 @@ class SessionState:
     settings: SessionSettings = field(default_factory=SessionSettings)
     response: Response | None = None
     early: EarlyReply | None = None
+    spoken: SpokenTurn | None = None  # speech-in: the turn whose rows are coming
+    text_turns: set[int] = field(default_factory=set)  # speech-in turns their words carry
 
 
 @dataclass(frozen=True)
@@ -162,16 +171,38 @@ class ReasoningStage(Stage):
         self._wake: asyncio.Event | None = None
         self._tool_template_found: tuple[str | None] | None = None
         self._tool_parser_class: Any = None
+        self.embedded: EmbeddedPrompt | None = None  # speech-in's prompts
+        self._prefills = CountLog("speech-in prefills", "positions found cached")
 
     def load(self) -> dict[str, Any]:
         from stages.backends.llm_vllm import VllmEngine
 
         cfg = self.config.reasoning
         self._loop = asyncio.new_event_loop()
-        model = resolve_model(cfg)
+        speech_in = speech_in_model(cfg)
+        engine_args = dict(cfg.engine_args)
+        if speech_in is not None:
+            # the language model alone, its user turns audio rows (stages.speech_in)
+            model = speech_in.language_model()
+            engine_args["enable_prompt_embeds"] = True
+        else:
+            model = resolve_model(cfg)
         self.engine: VllmEngine = self._loop.run_until_complete(
-            VllmEngine.start(model, cfg.engine_args, cfg.sampling)
+            VllmEngine.start(model, engine_args, cfg.sampling)
         )
+        if speech_in is not None:
+            import torch
+
+            assert cfg.speech_in is not None
+            hidden = self.engine.hidden_size
+            dtype = getattr(torch, cfg.speech_in.dtype)
+            self.embedded = EmbeddedPrompt(self.engine.tokenizer, speech_in.layout, hidden, dtype)
+            logger.info(
+                "reasoning: speech-in, %s's language model (%s), prefill while speaking: %s",
+                speech_in.family,
+                model,
+                cfg.speech_in.prefill_while_speaking,
+            )
         return {"model": model}
 
     def run(self) -> None:
@@ -249,6 +280,10 @@ class ReasoningStage(Stage):
     def on_stop(self, session: int, stop: Stop) -> None:
         state = self.sessions.get(session)
         ended: Response | None = None  # the reply a cancel cuts, to record as heard
+        prefills: list[str] = []  # speech-in: the prefill requests a stop ends
+        if state is not None and state.spoken is not None and stop.ends(state.spoken.epoch):
+            prefills = self._end_prefill(state.spoken)
+            state.spoken = None
         if state is not None and stop.ends_session(state.epoch):
             # swap the state now, so records that follow in the ring find the new session;
             # only stopping the old reply's request waits
@@ -277,12 +312,19 @@ class ReasoningStage(Stage):
             # session been closed and reopened), which it must not touch
             stamps = [stop.pushed_ns, time.monotonic_ns()]  # _cancel adds the rest
             self.tasks.spawn(
-                self._cancel(session, state, ended, stop.cancel, stamps), f"cancel-{session}"
+                self._cancel(session, state, ended, stop.cancel, stamps, prefills),
+                f"cancel-{session}",
             )
+        elif prefills:
+            self.tasks.spawn(self._abort(prefills), f"stop-prefills-{session}")
 
     def handle(self, env: Envelope) -> None:
         s, msg = env.session, env.msg
         match msg:
+            case AudioEmbeddings():
+                self._spoken(s, msg, env.epoch)
+            case Transcript() if self.embedded is not None and self._transcribes(s, msg):
+                pass  # speech-in: the turn was its rows; its words join them in the history
             case Transcript():
                 self._transcript(s, msg, env.epoch)
             case ResponseCreate():
@@ -440,7 +482,7 @@ class ReasoningStage(Stage):
         turn_id: int,
         options: ReplyOptions,
     ) -> None:
-        from stages.backends.llm_vllm import EngineDeadError
+        from stages.backends.llm_vllm import EngineDeadError, PromptUsage
 
         if previous is not None:  # one reply at a time per session
             await self._stop(previous)
@@ -454,12 +496,18 @@ class ReasoningStage(Stage):
         self._emit(session, response, GATEWAY, started)
         status, first_ns, index = "completed", 0, 0
         calls: ToolCalls | None = None
+        usage, audio_rows = PromptUsage(), 0
         try:
             calls, prompt, sampling, tools, template = self._prepare(session, state, options)
             submitted_ns = time.monotonic_ns()
-            pieces = self.engine.generate_pieces(
-                response.request_id, prompt, sampling, tools, template
-            )
+            request_id = response.request_id
+            if isinstance(prompt, dict):  # speech-in: made already, its turns audio rows
+                audio_rows = prompt["prompt_is_token_ids"].count(False)
+                pieces = self.engine.generate_prompt(request_id, prompt, sampling, usage)
+            else:
+                pieces = self.engine.generate_pieces(
+                    request_id, prompt, sampling, tools, template, usage
+                )
             async for text, token_ids, finished in pieces:
                 if not first_ns:
                     first_ns = time.monotonic_ns()
@@ -483,7 +531,16 @@ class ReasoningStage(Stage):
         response.finished = True
         good, bad = calls.finish() if calls is not None and status == "completed" else ([], [])
         response.record(state.conversation, response.text, good)
-        done = ResponseDone(response.response_id, status, response.text, index, first_ns)
+        done = ResponseDone(
+            response.response_id,
+            status,
+            response.text,
+            usage.output_tokens,
+            first_ns,
+            input_tokens=usage.prompt_tokens,
+            input_audio_tokens=audio_rows,
+            cached_tokens=usage.cached_tokens,
+        )
         self._emit(session, response, "vocoder", done)
         self._emit(
             session,
@@ -498,27 +555,34 @@ class ReasoningStage(Stage):
         self, session: int, state: SessionState, options: ReplyOptions
     ) -> tuple[
         ToolCalls | None,
-        list[dict[str, Any]],
+        list[dict[str, Any]] | dict[str, Any],
         dict[str, Any] | None,
         list[dict[str, Any]] | None,
         str | None,
     ]:
-        """What the reply asks of the engine: (its function calling, the prompt, sampling
-        overrides, the tools the template lists, the template to list them with)."""
+        """What the reply asks of the engine: (its function calling, the prompt: chat messages,
+        or under speech-in the engine's prompt made already, sampling overrides, the tools the
+        template lists, the template to list them with)."""
         sampling: dict[str, Any] = {}
-        cap = options.max_output_tokens
-        tools: list[dict[str, Any]] | None = None
-        template: str | None = None
-        if options.calls_tools:
-            from stages.backends.tool_parsing import chat_tools
-
-            tools, template = chat_tools(options.tools), self._tool_template()
-            cap = max(
-                cap or self.config.reasoning.sampling.get("max_tokens") or 0,
-                self.config.reasoning.tools.max_tokens,
-            )
+        cap = self._cap(options)
+        tools, template = self._tools_of(options)
         if cap is not None:
             sampling["max_tokens"] = cap
+        if self.embedded is not None:
+            engine_prompt = self._speech_prompt(session, state, options)
+            calls = None
+            if options.calls_tools:
+                from stages.backends.tool_parsing import ToolCalls
+
+                messages = [
+                    {k: v for k, v in m.items() if k not in ("audio", "turn_id", "transcript")}
+                    for m in state.conversation.prompt(options.instructions)
+                ]
+                calls = ToolCalls(
+                    options.tools, messages, self._tool_parser(), self.engine.tokenizer
+                )
+                sampling.update(calls.sampling())
+            return calls, engine_prompt, sampling or None, tools, template
         budget = self.engine.prompt_budget(cap)
         overhead = len(msgspec.json.encode(tools)) if tools else 0
         if dropped := state.conversation.fit(
@@ -565,6 +629,24 @@ class ReasoningStage(Stage):
                     )
         return said
 
+    def _cap(self, options: ReplyOptions) -> int | None:
+        """The reply's token cap: its own, or at least what a function call needs."""
+        cap = options.max_output_tokens
+        if options.calls_tools:
+            cap = max(
+                cap or self.config.reasoning.sampling.get("max_tokens") or 0,
+                self.config.reasoning.tools.max_tokens,
+            )
+        return cap
+
+    def _tools_of(self, options: ReplyOptions) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """The tools a reply's template lists, and the template (none without tools)."""
+        if not options.calls_tools:
+            return None, None
+        from stages.backends.tool_parsing import chat_tools
+
+        return chat_tools(options.tools), self._tool_template()
+
     def _tool_template(self) -> str | None:
         """The chat template that lists tools (None: the model's own), found once."""
         if self._tool_template_found is None:
@@ -604,9 +686,13 @@ class ReasoningStage(Stage):
         response: Response | None,
         msg: Cancel,
         stamps: list[int],
+        prefills: list[str] | None = None,
     ) -> None:
         seq, usage = self.engine.kv_stats_seq(), self.engine.kv_usage()
         sent_seq = None
+        if prefills:  # speech-in: the turn's prefills, whose blocks the ack reports freed too
+            await self._abort(prefills)
+            sent_seq = self.engine.kv_stats_seq()
         if state is not None and response is not None and not response.finished:
             await self._stop(response)
             sent_seq = self.engine.kv_stats_seq()  # the abort is on its way to the engine
@@ -622,6 +708,165 @@ class ReasoningStage(Stage):
         self.ack(session, msg, kv_usage=kv)
         if sent_seq is not None:
             self._cancel_hops.add(stamps)
+
+    # -- speech-in: a turn's rows, window by window (stages.speech_in) ----------------------
+
+    def _spoken(self, session: int, msg: AudioEmbeddings, epoch: int) -> None:
+        state = self._state(session, epoch)
+        if epoch_older(epoch, self.control.epoch(session)):
+            return  # a cancel came since: the turn's transcript keeps it (survives_cancel)
+        turn = state.spoken
+        if turn is None or (turn.turn_id, turn.epoch) != (msg.turn_id, epoch):
+            if turn is not None:  # a turn that never ended (dropped in the encoder)
+                self.tasks.spawn(self._abort(self._end_prefill(turn)), f"prefills-{session}")
+            turn = state.spoken = SpokenTurn(msg.turn_id, epoch)
+        rows = rows_tensor(msg) if msg.rows else None
+        if msg.speculative:
+            self._start_early_spoken(session, state, turn, rows, msg, epoch)
+            return
+        turn.take(msg, rows)
+        speech_in = self.config.reasoning.speech_in
+        assert speech_in is not None
+        if not msg.final:
+            if speech_in.prefill_while_speaking and not turn.broken:
+                self._prefill_soon(session, state, turn)
+            return
+        state.spoken = None
+        prefills = self._end_prefill(turn)
+        if prefills:
+            self.tasks.spawn(self._abort(prefills), f"prefills-{session}")
+        early, state.early = state.early, None
+        as_paused = early is not None and msg.as_paused and early.turn_id == msg.turn_id
+        if as_paused and not turn.broken:
+            assert early is not None
+            self._release(session, early.response)  # the turn ended as it was at the pause
+            self._prepared.add("released")
+            return
+        if early is not None:
+            self._drop_early(session, state, early)
+            self._prepared.add("turn_went_on")
+        if turn.broken or not turn.windows:
+            # a window went missing (or none came): its transcript carries the turn
+            state.text_turns.add(msg.turn_id)
+            return
+        state.conversation.add_audio(turn.rows(), msg.turn_id)
+        if msg.create_response:
+            if early is None:
+                self._prepared.add("turn_answered_without_one")
+            options = ReplyOptions.of(state.settings)
+            self._start(
+                session, state, f"resp_{session}_{msg.turn_id}", msg.turn_id, epoch, options
+            )
+
+    def _start_early_spoken(
+        self,
+        session: int,
+        state: SessionState,
+        turn: SpokenTurn,
+        rows: Any,
+        msg: AudioEmbeddings,
+        epoch: int,
+    ) -> None:
+        """The caller paused: the reply is made on the turn so far, held until it ends."""
+        early, state.early = state.early, None
+        if early is not None:
+            self._drop_early(session, state, early)
+            self._prepared.add("made_again")
+        audio = turn.rows(extra=rows)
+        if not msg.create_response or turn.broken or audio is None:
+            return
+        if state.response is not None:
+            self._prepared.add("not_made_reply_running")
+            return
+        asked = state.conversation.add_audio(audio, msg.turn_id)
+        response_id = f"resp_{session}_{msg.turn_id}"
+        options = ReplyOptions.of(state.settings)
+        self._start(session, state, response_id, msg.turn_id, epoch, options, held=True)
+        assert state.response is not None
+        state.early = EarlyReply(msg.turn_id, "", asked, state.response)
+
+    def _transcribes(self, session: int, msg: Transcript) -> bool:
+        """Speech-in: take a transcript into the history beside its turn's rows; False for
+        one that carries its turn itself (the rows went missing, or never came)."""
+        if msg.speculative:
+            return True  # the gateway's, for its turn-taking: the reply is made on the rows
+        state = self.sessions.get(session)
+        if state is None:
+            return False
+        if msg.turn_id in state.text_turns:
+            state.text_turns.discard(msg.turn_id)
+            return False
+        return state.conversation.transcribed(msg.turn_id, msg.text)
+
+    def _prefill_soon(self, session: int, state: SessionState, turn: SpokenTurn) -> None:
+        """Prefill the turn so far; a window that comes while one runs waits for it (each
+        extends the last one's cached prefix)."""
+        if turn.prefill is None or turn.prefill.done():
+            turn.prefill = self.tasks.spawn(
+                self._prefill(session, state, turn), f"prefill-{session}-{turn.turn_id}"
+            )
+
+    async def _prefill(self, session: int, state: SessionState, turn: SpokenTurn) -> None:
+        assert self.embedded is not None
+        while state.spoken is turn and turn.prefilled < len(turn.windows):
+            windows = len(turn.windows)
+            options = ReplyOptions.of(state.settings)
+            prompt = self._speech_prompt(session, state, options, turn)
+            request_id = f"prefill-{session}-{turn.turn_id}-{next(self._request_ids)}"
+            turn.prefill_ids.append(request_id)
+            try:
+                cached = await self.engine.prefill(request_id, prompt)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the reply is made without it
+                logger.warning("reasoning: session %d's prefill failed: %s", session, exc)
+                return
+            turn.prefilled = windows
+            whole = len(prompt["prompt_token_ids"])
+            self._prefills.add("most" if cached * 2 >= whole else "some" if cached else "none")
+
+    def _speech_prompt(
+        self,
+        session: int,
+        state: SessionState,
+        options: ReplyOptions,
+        turn: SpokenTurn | None = None,
+    ) -> dict[str, Any]:
+        """The engine's prompt under speech-in: the conversation (its audio turns as rows),
+        fitted to the context; with `turn`, its rows so far as an open user turn, cut after
+        them (a prefill's)."""
+        assert self.embedded is not None
+        tools, template = self._tools_of(options)
+        budget = self.engine.prompt_budget(self._cap(options))
+        embedded = self.embedded
+
+        def count(messages: list[dict[str, Any]]) -> int:
+            extra = [] if turn is None else [self._open_turn(turn)]
+            return embedded.count([*messages, *extra], tools, template)
+
+        if dropped := state.conversation.fit(options.instructions, count, budget):
+            logger.debug("session %d: %d oldest messages out, to fit the context", session, dropped)
+        messages = state.conversation.prompt(options.instructions)
+        if turn is None:
+            return embedded.render(messages, tools, template)
+        messages.append(self._open_turn(turn))
+        return embedded.render(messages, tools, template, open_turn=True)
+
+    @staticmethod
+    def _open_turn(turn: SpokenTurn) -> dict[str, Any]:
+        return {"role": "user", "content": "", "audio": turn.rows(), "turn_id": turn.turn_id}
+
+    def _end_prefill(self, turn: SpokenTurn) -> list[str]:
+        """Stop the turn's prefills; the request ids to abort (aborts are idempotent)."""
+        if turn.prefill is not None and not turn.prefill.done():
+            turn.prefill.cancel()
+        turn.prefill = None
+        ids, turn.prefill_ids = turn.prefill_ids, []
+        return ids
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            await self.engine.abort(request_id)
 
 
 async def _settle(tasks: set[asyncio.Task[Any]]) -> None:

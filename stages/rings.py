@@ -46,6 +46,7 @@ LINKS: tuple[tuple[str, str], ...] = (
     ("vocoder", GATEWAY),
 )
 AUDIO_LINKS = {(GATEWAY, "encoder"), ("vocoder", GATEWAY)}
+SPEECH_IN_LINK = ("encoder", "reasoning")
 LOCAL = "local"  # the host of every instance not placed elsewhere: the gateway's
 
 
@@ -189,7 +190,10 @@ class RingSet:
         self.rings: dict[tuple[str, str], Ring] = {}
         try:
             for link in names.links_here:
-                audio = (role_of(link[0]), role_of(link[1])) in AUDIO_LINKS
+                roles = (role_of(link[0]), role_of(link[1]))
+                # under speech-in the encoder's rows to reasoning are audio-sized too
+                spoken = config.reasoning.speech_in is not None and roles == SPEECH_IN_LINK
+                audio = roles in AUDIO_LINKS or spoken
                 size = config.rings.audio_bytes if audio else config.rings.event_bytes
                 self.rings[link] = Ring.create(names.ring(*link), size, control=self.control)
         except BaseException:

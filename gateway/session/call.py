@@ -90,14 +90,16 @@ class RealtimeSession:
         turn_models: TurnModels | None = None,
         tracing: Tracing | None = None,
         tools: ToolsConfig | None = None,
+        speech_in: bool = False,
     ) -> None:
         """`turns`: the gateway's turn-taking section (its defaults without one);
         `turn_models`: the process's classifier and end-of-turn model (webrtcvad and no
         semantic_vad without); `tracing`: the process's OpenTelemetry traces (gateway.tracing),
-        if on; `tools`: the gateway's rules for function and MCP tools."""
+        if on; `tools`: the gateway's rules for function and MCP tools; `speech_in`: the
+        reasoning model hears the turns (reasoning.speech_in), not their transcripts."""
         self.call_id, self.link, self.session = call_id, link, session
         self.vocoder_rate, self.metrics, self.config = vocoder_rate, metrics, config
-        self.on_closed = on_closed
+        self.on_closed, self.speech_in = on_closed, speech_in
         self.log = CallLog(logger, {"call": call_id, "session": session})
         self.outbox = Outbox(call_id)
         self.items = Conversation()
@@ -245,7 +247,7 @@ class RealtimeSession:
         if turn_id in self.turns.provisional:
             self.interruptions.settle(turn_id, text)
             return
-        if not text and turn_id == self.turns.turn_id:
+        if not text and turn_id == self.turns.turn_id and not self.speech_in:
             self.replies.forget_asked()  # nothing was said: reasoning answers nothing
         if self.deferred_create is not None and not self.turns.transcribing:
             params, event_id = self.deferred_create
@@ -355,7 +357,7 @@ class RealtimeSession:
                         self.tools.call_made(reply, call.call_id, call.arguments)
                     for bad in msg.bad_calls:
                         self.tools.call_bad(reply, bad.index, bad.name, bad.reason)
-                    replies.text_done(reply, msg.text, msg.status)
+                    replies.text_done(reply, msg)
             case CancelAck():
                 self.cancels.acked(msg.cancel_id, msg.stage, msg.t_ns, msg.kv_usage)
             case Error():

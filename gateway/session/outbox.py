@@ -317,6 +317,7 @@ class Outbox:
             output=[item.to_json() for item in reply.outputs],
             status_details=details,
             metadata=reply.metadata,
+            usage=reply.usage or ev.usage(),
         )
         self.send(ev.event("response.done", response=response))
         self.send(ev.rate_limits())

@@ -11,12 +11,14 @@ from typing import Any
 
 import numpy as np
 
+from gateway import events as ev
 from gateway.conversation import Conversation, Item
 from gateway.events import new_id
 from gateway.metrics import GatewayMetrics
 from gateway.session.outbox import Outbox
 from gateway.session.reply import Reply, ReplyState, SpokenTracker, VoiceAhead
 from gateway.session.spans import NO_SPANS, Spans
+from stages.messages import ResponseDone
 
 TRACKERS_KEPT = 32  # recent audio items whose spoken marks conversation.item.truncate may use
 
@@ -207,9 +209,13 @@ class Replies:
 
     # -- its end -------------------------------------------------------------------------------
 
-    def text_done(self, reply: Reply, text: str, status: str) -> None:
+    def text_done(self, reply: Reply, done: ResponseDone) -> None:
         """The reasoning stage finished the reply's text (the audio may still be coming)."""
+        text, status = done.text, done.status
         reply.text, reply.text_done = text, True
+        reply.usage = ev.usage(
+            done.input_tokens, done.input_audio_tokens, done.cached_tokens, done.output_tokens
+        )
         if reply.item is not None or not reply.calls:
             item = self.message(reply)
             if reply.audio:

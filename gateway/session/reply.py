@@ -111,6 +111,7 @@ class Reply:
     tracker: SpokenTracker = field(default_factory=SpokenTracker)
     text: str = ""
     text_done: bool = False  # RESPONSE_DONE came
+    usage: dict[str, Any] | None = None  # what its RESPONSE_DONE reported (gateway.events)
     audio_done: bool = False  # AUDIO_DONE came
     first_audio_ns: int = 0
     samples: int = 0  # audio at the vocoder's rate handed to the transport

@@ -198,7 +198,7 @@ class CallerTurns:
     def speech_started(self, started: VadStart) -> None:
         self.metrics.vad_events.labels("speech_started").inc()
         provisional = self.listener.speech_onset()
-        self.begin(started.audio_start_ms)
+        self.begin(started.audio_start_ms, provisional=provisional)
         if provisional:
             self.provisional.add(self.turn_id)
         self.turn_audio.append(started.prefix)
@@ -206,12 +206,14 @@ class CallerTurns:
             self.link.send_audio(self.session, chunk)
         self.outbox.speech_started(started.audio_start_ms, self.turn_items[self.turn_id])
 
-    def begin(self, audio_start_ms: int, item_id: str | None = None) -> None:
+    def begin(
+        self, audio_start_ms: int, item_id: str | None = None, provisional: bool = False
+    ) -> None:
         """A new turn: the stages are told, and its user item named."""
         self.turn_id += 1
         self.turn_items[self.turn_id] = item_id or ev.new_id("item")
         self.spans.turn_begun(self.turn_id)
-        self.link.speech_started(self.session, self.turn_id, audio_start_ms)
+        self.link.speech_started(self.session, self.turn_id, audio_start_ms, provisional)
         self.chunker.reset()
         self.turn_audio.clear()
         self.turn_audio_start_ms = audio_start_ms

@@ -51,6 +51,26 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
 ABORT_CONFIRM_TIMEOUT_S = 1.0
 
 
+@dataclasses.dataclass
+class PromptUsage:
+    """What a request's prompt cost, as the engine reported it: its positions (tokens and
+    embedding rows), those found in the prefix cache, and the tokens generated."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    def take(self, output: Any) -> None:
+        """Read one step's vLLM RequestOutput (its tokens are the step's: DELTA outputs)."""
+        if output.prompt_token_ids is not None:
+            self.prompt_tokens = len(output.prompt_token_ids)
+        elif getattr(output, "prompt_embeds", None) is not None:
+            self.prompt_tokens = len(output.prompt_embeds)
+        self.cached_tokens = output.num_cached_tokens or 0
+        if output.outputs:
+            self.output_tokens += len(output.outputs[0].token_ids)
+
+
 class VllmEngineError(RuntimeError):
     """Base class of the errors this module raises."""
 
@@ -286,9 +306,10 @@ class VllmEngine:
         sampling: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        usage: PromptUsage | None = None,
     ) -> AsyncIterator[tuple[str, list[int], bool]]:
         """Stream the reply to ``messages`` (OpenAI chat format) as (text, token ids,
-        finished), a piece per engine step.
+        finished), a piece per engine step; ``usage`` is kept up to date as it goes.
 
         The chat template (the model's, or ``chat_template``) is applied by vLLM's renderer,
         with ``tools`` (Chat Completions form) for the template to list. ``sampling``
@@ -300,11 +321,6 @@ class VllmEngine:
 
         if self._llm is None:
             raise VllmEngineError(f"engine on {self.model!r} is shut down")
-        params = (
-            build_sampling_params({**self._sampling, **sampling})
-            if sampling
-            else self._default_params.clone()
-        )
         kwargs: dict[str, Any] = {"add_generation_prompt": True}
         if tools:
             kwargs["tools"] = tools
@@ -314,13 +330,54 @@ class VllmEngine:
         # and these are the session's history
         messages = copy.deepcopy(messages)
         _, (prompt,) = await llm.renderer.render_chat_async([messages], chat_params)
-        async with contextlib.aclosing(self._completions(prompt, params, request_id)) as steps:
-            async for completion in steps:
+        replies = self.generate_prompt(request_id, prompt, sampling, usage)
+        async with contextlib.aclosing(replies) as out:
+            async for piece in out:
+                yield piece
+
+    async def generate_prompt(
+        self,
+        request_id: str,
+        prompt: Mapping[str, Any],
+        sampling: Mapping[str, Any] | None = None,
+        usage: PromptUsage | None = None,
+    ) -> AsyncIterator[tuple[str, list[int], bool]]:
+        """Stream the reply to a prompt already made (token ids, or a mixed prompt of token ids
+        and `prompt_embeds`: stages.speech_in) as (text, token ids, finished) pieces, as
+        `generate_pieces` does."""
+        if self._llm is None:
+            raise VllmEngineError(f"engine on {self.model!r} is shut down")
+        params = (
+            build_sampling_params({**self._sampling, **sampling})
+            if sampling
+            else self._default_params.clone()
+        )
+        steps = self._completions(prompt, params, request_id, usage)
+        async with contextlib.aclosing(steps) as completions:
+            async for completion in completions:
                 # The text is empty when the detokenizer holds back an incomplete UTF-8
                 # sequence (its tokens come again with the rest)
                 finished = completion.finish_reason is not None
                 if completion.text or finished:
                     yield completion.text, list(completion.token_ids), finished
+
+    async def prefill(self, request_id: str, prompt: Mapping[str, Any]) -> int:
+        """Compute `prompt` and sample one token, which is dropped: its full blocks stay in
+        vLLM's prefix cache for a later request that starts the same way. Returns how many of
+        its positions were found cached already. Cancelled, it is aborted."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        if self._llm is None:
+            raise VllmEngineError(f"engine on {self.model!r} is shut down")
+        params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        cached = 0
+        try:
+            async for output in self._llm.generate(prompt, params, request_id):
+                cached = output.num_cached_tokens or 0
+        except (asyncio.CancelledError, GeneratorExit):
+            await self.abort(request_id)
+            raise
+        return cached
 
     async def generate_ids(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -336,8 +393,15 @@ class VllmEngine:
                 if completion.token_ids:
                     yield list(completion.token_ids)
 
-    async def _completions(self, prompt: Any, params: SamplingParams, request_id: str) -> Any:
-        """vLLM's completion of the request, the piece of each engine step."""
+    async def _completions(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        usage: PromptUsage | None = None,
+    ) -> Any:
+        """vLLM's completion of the request, the piece of each engine step; ``usage`` reads
+        each step's output."""
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
         assert self._llm is not None
@@ -346,6 +410,8 @@ class VllmEngine:
                 self._llm.generate(prompt, params, request_id)
             ) as outputs:
                 async for output in outputs:
+                    if usage is not None:
+                        usage.take(output)
                     for completion in output.outputs:
                         yield completion
         except (asyncio.CancelledError, GeneratorExit):
@@ -378,6 +444,19 @@ class VllmEngine:
                 raise VllmEngineError(f"engine on {self.model!r} is shut down")
             self._tokenizer = self._llm.get_tokenizer()
         return self._tokenizer
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached block (for measurements that start cold)."""
+        if self._llm is None:
+            raise VllmEngineError(f"engine on {self.model!r} is shut down")
+        await self._llm.reset_prefix_cache()
+
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size: the width of an embedding row it takes."""
+        if self._llm is None:
+            raise VllmEngineError(f"engine on {self.model!r} is shut down")
+        return int(self._llm.model_config.get_hidden_size())
 
     def prompt_budget(self, max_output_tokens: int | None = None) -> int:
         """The prompt tokens that leave room in the context for a reply of

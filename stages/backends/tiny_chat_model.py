@@ -102,10 +102,13 @@ def stdlib_sources(limit: int) -> Iterator[str]:
         yield text
 
 
-def train_tokenizer(folder: Path, vocab_size: int, max_length: int) -> Any:
-    """A byte-level BPE tokenizer of at most ``vocab_size`` tokens (ChatML's specials first),
-    trained on the pydoc pages (and the standard library's source for large vocabularies),
-    with the ChatML template, saved in ``folder``; returns the `tokenizers.Tokenizer`."""
+def train_tokenizer(
+    folder: Path, vocab_size: int, max_length: int, extra_specials: tuple[str, ...] = ()
+) -> Any:
+    """A byte-level BPE tokenizer of at most ``vocab_size`` tokens (ChatML's specials first,
+    then ``extra_specials``), trained on the pydoc pages (and the standard library's source
+    for large vocabularies), with the ChatML template, saved in ``folder``; returns the
+    `tokenizers.Tokenizer`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -114,7 +117,7 @@ def train_tokenizer(folder: Path, vocab_size: int, max_length: int) -> Any:
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -34,7 +34,9 @@ class RecordingLink:
         self._note("send_audio", session, pcm16)
         return True
 
-    def speech_started(self, session: int, turn_id: int, audio_start_ms: int = 0) -> None:
+    def speech_started(
+        self, session: int, turn_id: int, audio_start_ms: int = 0, provisional: bool = False
+    ) -> None:
         self._note("speech_started", session, turn_id, audio_start_ms)
 
     def speech_stopped(

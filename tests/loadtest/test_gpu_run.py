@@ -3,20 +3,24 @@ line sets, and the caller's question. No GPU and no model."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from gateway.config import ConfigError
 from loadtest.conversation import FRAME, WatchedSpeaker, last_voiced_frame
-from loadtest.gpu_layouts import ThreadShares, Variant, Vocoders, layout_config
+from loadtest.gpu_layouts import (
+    PLACEHOLDER_MODELS,
+    ThreadShares,
+    Variant,
+    Vocoders,
+    layout_config,
+)
 from loadtest.gpu_run import main, sessions_of_first_gateway
 from loadtest.settings import parse_setting
 from loadtest.voices import caller_speech
 from stages.placement import PlacementError, plan
 
-MODELS = SimpleNamespace(whisper="w", chat="c", speecht5="t", hifigan="h", talker="o", snac="s")
+MODELS = PLACEHOLDER_MODELS
 
 
 def test_one_gpu_layout_puts_every_stage_on_gpu_0() -> None:
@@ -58,6 +62,28 @@ def test_talker_layout_is_one_gpu_with_the_talker_voice() -> None:
     assert config.gateway == one.gateway
     cpu, _ = layout_config("talker", MODELS, gpu_count=0, device="cpu")
     assert cpu.vocoder.device == "cpu" and cpu.vocoder.options["max_frames_per_char"] == 0.8
+
+
+def test_speech_in_layouts_differ_from_each_other_only_in_their_model_and_prefill() -> None:
+    layouts = {
+        name: layout_config(name, MODELS, gpu_count=1, device="cuda")[0]
+        for name in ("speech-in", "speech-in-at-end", "speech-in-ultravox")
+    }
+    assert {n: c.reasoning.model for n, c in layouts.items()} == {
+        "speech-in": "m",
+        "speech-in-at-end": "m",
+        "speech-in-ultravox": "u",
+    }
+    assert {n: c.reasoning.speech_in.prefill_while_speaking for n, c in layouts.items()} == {
+        "speech-in": True,
+        "speech-in-at-end": False,
+        "speech-in-ultravox": True,
+    }
+    one, _ = layout_config("one", MODELS, gpu_count=1, device="cuda")
+    speech_in = layouts["speech-in"]
+    assert one.reasoning.speech_in is None and speech_in.encoder == one.encoder
+    assert speech_in.reasoning.engine_args == one.reasoning.engine_args
+    assert speech_in.gateway == one.gateway and speech_in.vocoder == one.vocoder
 
 
 def test_cpu_try_out_layout_needs_no_gpu() -> None:

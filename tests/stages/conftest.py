@@ -70,3 +70,13 @@ def link(supervisor: Supervisor, events: EventQueues) -> Iterator[PipelineLink]:
     link = PipelineLink(supervisor.names, events)
     yield link
     link.close()
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Models built or extracted in the module (OMNI_GATEWAY_CACHE) go to a cache of its own,
+    gone with the test run."""
+    with pytest.MonkeyPatch.context() as patch:
+        cache = tmp_path_factory.mktemp("cache")
+        patch.setenv("OMNI_GATEWAY_CACHE", str(cache))
+        yield cache
