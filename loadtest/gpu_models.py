@@ -22,8 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.backends.model_cache import build_once
-from stages.backends.speech_in import language_model_folder
+from stages.backends.model_cache import build_once, language_model_folder
 from stages.backends.tiny_chat_model import MODEL_SHAPE, VOCAB_SIZE, ensure_chat_model
 from stages.backends.tiny_speech_in import (
     REAL_OMNI_AUDIO,
@@ -157,7 +156,6 @@ def ensure_models(
     talker = ensure_talker(
         root / f"talker-{preset}", talker_shape, device=device, tokenizer_from=chat
     )
-    snac = ensure_snac(root / "snac-24khz", device)
     omni = root / f"omni-{preset}"
     # its language model straight where the reasoning stage looks for it (one copy, not two)
     build = functools.partial(
@@ -181,6 +179,7 @@ def ensure_models(
             language_model=language_model_folder(str(uv), uv),
         )
         build_once(uv, build, "Ultravox v0.5 (random weights)")
+    snac = ensure_snac(root / "snac-24khz", device)  # last: its package may come later
     return GpuModels(
         str(chat),
         str(whisper),

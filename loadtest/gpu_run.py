@@ -69,7 +69,7 @@ from loadtest.gpu_layouts import (
 from loadtest.latency import HOPS, inter_token_ms, load_figures
 from loadtest.settings import add_set_argument
 from loadtest.tap import Seen, Tap, Traces, calls_gone, tapped_gateway
-from loadtest.voices import QUESTION, caller_speech
+from loadtest.voices import QUESTION, QUESTIONS, caller_speech
 
 # Stage processes are spawned and re-import this module as __mp_main__: keep torch, vLLM and
 # CUDA out of the imports above (and out of those of the modules they name), so that nothing
@@ -409,6 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         "the pause is dropped when the caller goes on); 0: none",
     )
     parser.add_argument(
+        "--question",
+        choices=sorted(QUESTIONS),
+        default="short",
+        help="what the callers ask: short (1.6 s) or long (several of a speech-in tower's "
+        "2 s windows, which are prefilled while the caller speaks)",
+    )
+    parser.add_argument(
         "--per-turn",
         action="store_true",
         help="keep every turn's hops in results.json (`turns` of each load), not only percentiles",
@@ -467,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     models = build_models(args.models_root, args.device, preset, layouts)
     results["models"] = {"build_s": round(time.monotonic() - t0, 1), **describe(models)}
     log(f"models ready in {results['models']['build_s']} s")
-    speech = caller_speech(args.caller_pause_ms)
+    speech = caller_speech(args.caller_pause_ms, QUESTIONS[args.question])
+    results["caller_question"] = QUESTIONS[args.question]
     results["caller_speech_s"] = round(len(speech) / 48000, 2)
     results["caller_pause_ms"] = args.caller_pause_ms
     for name, variant in itertools.product(layouts, variants):

@@ -13,6 +13,12 @@ import numpy as np
 ESPEAK_VOICE = ("-v", "en-us+klatt", "-s", "140")
 VOICED_SAMPLE = 500  # |sample| above which a clip counts as speech
 QUESTION = "tell me about the weather today"  # what the GPU run's callers ask
+#: a question of several seconds: several of a speech-in tower's windows (2 s) before it ends
+LONG_QUESTION = (
+    "I am going hiking in the mountains next weekend with two friends of mine, so tell me "
+    "about the weather up there and what we should pack"
+)
+QUESTIONS = {"short": QUESTION, "long": LONG_QUESTION}
 
 
 def spoken(text: str, rate: int = 48_000, *, trim: bool = True) -> np.ndarray:
@@ -31,8 +37,9 @@ def spoken(text: str, rate: int = 48_000, *, trim: bool = True) -> np.ndarray:
     return resample(pcm, source_rate, rate)
 
 
-def caller_speech(pause_ms: int = 0) -> np.ndarray:
-    """The caller's question spoken by espeak-ng (from its wheel), 48 kHz, leading silence cut.
+def caller_speech(pause_ms: int = 0, question: str = QUESTION) -> np.ndarray:
+    """The caller's `question` spoken by espeak-ng (from its wheel), 48 kHz, leading silence
+    cut.
 
     With `pause_ms` the question is two halves with that much silence between them: a caller
     who stops mid-sentence, so a reply prepared at the pause is started and then dropped."""
@@ -48,8 +55,8 @@ def caller_speech(pause_ms: int = 0) -> np.ndarray:
         return resample(pcm[voiced[0] : end], voice.sample_rate, 48000)
 
     if not pause_ms:
-        return speak(QUESTION)
-    words = QUESTION.split()
+        return speak(question)
+    words = question.split()
     first, rest = " ".join(words[: len(words) // 2]), " ".join(words[len(words) // 2 :])
     silence = np.zeros(48 * pause_ms, dtype=np.int16)
     return np.concatenate([speak(first, trailing_silence=False), silence, speak(rest)])

@@ -7,7 +7,8 @@ acknowledged at once while another session's turn is still being decoded.
 At a TURN_PAUSED the turn so far is transcribed (a backend whose stream can `peek`) and sent to
 reasoning, which starts the reply on it (stages.prepared). Under speech-in, reasoning gets the
 turn's rows instead: each window's as it completes, the open window's at a pause and at the
-end; the transcripts, made after the rows, are for the client and the history's text.
+end, made on lanes of their own (the tower's), so that the reply never waits for the
+recognizer; its transcripts are for the client, the turn-taking and the history's text.
 """
 
 from __future__ import annotations
@@ -95,10 +96,12 @@ class Turn:
     model_after_stop_ns: int = 0
     paused: PausedTurn | None = None  # since a TURN_PAUSED, until the caller goes on
     provisional: bool = False  # over the agent: transcribed only, no speech-in rows
-    # speech-in: the open window's audio, and the records of rows sent so far
+    # speech-in, on the tower's lane: the open window's audio, the records of rows sent so
+    # far, and the audio held since a pause (None: not paused)
     window: list[np.ndarray] = field(default_factory=list)
     window_samples: int = 0
     rows_sent: int = 0
+    held: list[np.ndarray] | None = None
 
 
 class EncoderStage(QueuedStage):
@@ -132,6 +135,15 @@ class EncoderStage(QueuedStage):
                 s, "recognition_failed", f"{type(exc).__name__}: {exc}"
             ),
         )
+        # speech-in: the tower's rows on lanes of their own, so that a window's rows (on the
+        # reply's path) never wait behind the recognizer's passes (beside it)
+        self.tower_lanes = SessionLanes(
+            self.config.encoder.decode_threads,
+            "encoder-tower",
+            on_error=lambda s, exc: self.error(
+                s, "audio_tower_failed", f"{type(exc).__name__}: {exc}"
+            ),
+        )
         logger.info("encoder: %s ready in %.1f s", self.recognizer.name, time.monotonic() - t0)
         return {"backend": self.recognizer.name}
 
@@ -140,6 +152,7 @@ class EncoderStage(QueuedStage):
             for session in list(self.turns):
                 self._drop(session)
             self.lanes.close(wait=True)
+            self.tower_lanes.close(wait=True)
         super().close()
 
     def handle(self, env: Envelope) -> None:
@@ -151,14 +164,20 @@ class EncoderStage(QueuedStage):
                 turn = self.turns.pop(s, None)
                 if turn is not None:
                     turn.stopped_ns = env.t_ns
+                    if self._speaks_in(turn):
+                        self.tower_lanes.submit(s, lambda: self._last_rows(s, turn, env))
                 self.lanes.submit(s, lambda: self._finish(s, turn, env))
             case TurnPaused():
                 turn = self.turns.get(s)
                 if turn is not None and turn.turn_id == msg.turn_id:
+                    if self._speaks_in(turn):
+                        self.tower_lanes.submit(s, lambda: self._pause_rows(s, turn, msg))
                     self.lanes.submit(s, lambda: self._pause(s, turn, msg))
             case memoryview() | bytes():  # AUDIO_IN
                 turn = self.turns.get(s) or self._open(s, -1, env.epoch)
                 pcm = np.frombuffer(msg, dtype=np.int16)
+                if self._speaks_in(turn):
+                    self.tower_lanes.submit(s, lambda: self._tower(s, turn, pcm))
                 self.lanes.submit(s, lambda: self._feed(s, turn, pcm))
 
     def on_stop(self, session: int, stop: Stop) -> None:
@@ -170,6 +189,8 @@ class EncoderStage(QueuedStage):
             if stop.ends(turn.epoch):
                 self._drop(session)
             elif stop.ends_prepared(turn.turn_id, turn.epoch):
+                if self._speaks_in(turn):
+                    self.tower_lanes.submit(session, lambda: self._resume_rows(session, turn))
                 self.lanes.submit(session, lambda: self._resume(session, turn))
         if stop.cancel is not None:
             self.ack(session, stop.cancel)
@@ -204,8 +225,6 @@ class EncoderStage(QueuedStage):
         if turn.paused is not None:
             turn.paused.audio.append(pcm)
             return
-        if self._speaks_in(turn):
-            self._windows(session, turn, pcm)  # on the reply's path: before the recognizer
         t0 = time.monotonic_ns()
         partial = self._stream(turn).feed(pcm)
         self._count_model_time(turn, t0)
@@ -217,10 +236,53 @@ class EncoderStage(QueuedStage):
                 epoch=turn.epoch,
             )
 
-    # -- speech-in: the tower's rows, window by window ------------------------------------
+    # -- speech-in: the tower's rows, window by window, on the session's tower lane ------------
 
     def _speaks_in(self, turn: Turn) -> bool:
         return self.tower is not None and not turn.provisional
+
+    def _tower(self, session: int, turn: Turn, pcm: np.ndarray) -> None:
+        if turn.dropped:
+            return
+        if turn.held is not None:  # paused: the rows at the pause stand until it goes on
+            turn.held.append(pcm)
+            return
+        self._windows(session, turn, pcm)
+
+    def _pause_rows(self, session: int, turn: Turn, paused: TurnPaused) -> None:
+        """At a pause: the turn's rows so far (the open window's), for the reply made on them."""
+        if turn.dropped or turn.held is not None:
+            return
+        turn.held = []
+        rows = self._open_rows(turn)
+        create = paused.create_response
+        self._send_rows(session, turn, rows, final=True, speculative=True, create_response=create)
+
+    def _resume_rows(self, session: int, turn: Turn) -> None:
+        if turn.dropped or turn.held is None:
+            return
+        held, turn.held = turn.held, None
+        for pcm in held:
+            self._windows(session, turn, pcm)
+
+    def _last_rows(self, session: int, turn: Turn, env: Envelope) -> None:
+        """The turn's end: its last rows (none if nothing was said since the pause: the rows
+        at the pause are the turn's), before the transcript, which the reply does not wait for."""
+        msg = env.msg
+        assert isinstance(msg, SpeechStopped)
+        if turn.dropped:
+            return
+        as_paused = turn.held is not None
+        rows = None if as_paused else self._open_rows(turn)
+        self._send_rows(
+            session,
+            turn,
+            rows,
+            final=True,
+            create_response=msg.create_response and not msg.provisional,
+            as_paused=as_paused,
+            stopped_ns=env.t_ns,
+        )
 
     def _windows(self, session: int, turn: Turn, pcm: np.ndarray) -> None:
         """Take caller audio into the open window; send each window's rows once complete."""
@@ -232,20 +294,14 @@ class EncoderStage(QueuedStage):
             audio = np.concatenate(turn.window)
             turn.window = [audio[size:]] if len(audio) > size else []
             turn.window_samples = len(audio) - size
-            t0 = time.monotonic_ns()
-            rows = self.tower.rows(audio[:size])
-            self._count_model_time(turn, t0)
-            self._send_rows(session, turn, rows)
+            self._send_rows(session, turn, self.tower.rows(audio[:size]))
 
     def _open_rows(self, turn: Turn) -> np.ndarray | None:
         """The rows of the open window's audio so far (None: it holds none)."""
         assert self.tower is not None
         if not turn.window_samples:
             return None
-        t0 = time.monotonic_ns()
-        rows = self.tower.rows(np.concatenate(turn.window))
-        self._count_model_time(turn, t0)
-        return rows
+        return self.tower.rows(np.concatenate(turn.window))
 
     def _send_rows(
         self,
@@ -291,28 +347,13 @@ class EncoderStage(QueuedStage):
         """At a pause: transcribe the turn so far and let reasoning start on it."""
         if turn.dropped or turn.paused is not None:
             return
-        speaks_in = self._speaks_in(turn)
-        if speaks_in:  # the reply is prepared on the turn's rows
-            turn.paused = PausedTurn("")
-            rows = self._open_rows(turn)
-            self._send_rows(
-                session,
-                turn,
-                rows,
-                final=True,
-                speculative=True,
-                create_response=paused.create_response,
-            )
         peek = getattr(self._stream(turn), "peek", None)
         if peek is None:  # this backend cannot transcribe a turn that goes on: no words to weigh
             unjudged = Transcript(turn.turn_id, "", final=True, speculative=True)
             self.send(GATEWAY, session, unjudged, epoch=turn.epoch)
             return
         t0 = time.monotonic_ns()
-        text = peek()
-        if turn.paused is None:
-            turn.paused = PausedTurn(text)
-        turn.paused.text = text
+        turn.paused = PausedTurn(peek())
         self._count_model_time(turn, t0)  # a turn that ended meanwhile waits for it
         early = Transcript(
             turn.turn_id,
@@ -321,7 +362,7 @@ class EncoderStage(QueuedStage):
             create_response=paused.create_response,
             speculative=True,
         )
-        if not speaks_in:
+        if not self._speaks_in(turn):  # under speech-in, the reply is made on the rows
             self.send("reasoning", session, early, epoch=turn.epoch)
         # semantic_vad weighs the words with the sound; the gateway waits for this answer
         finished = self.words.probability(early.text) if self.words is not None else None
@@ -341,19 +382,6 @@ class EncoderStage(QueuedStage):
         msg = env.msg
         assert isinstance(msg, SpeechStopped)
         text, decode_ns = "", 0
-        if turn is not None and not turn.dropped and self._speaks_in(turn):
-            # the rows first: the reply waits for them, not for the transcript
-            as_paused = turn.paused is not None  # nothing said since: the rows at the pause
-            rows = None if as_paused else self._open_rows(turn)
-            self._send_rows(
-                session,
-                turn,
-                rows,
-                final=True,
-                create_response=msg.create_response and not msg.provisional,
-                as_paused=as_paused,
-                stopped_ns=env.t_ns,
-            )
         if turn is not None:
             try:
                 if turn.paused is not None:  # nothing said since: the one at the pause it is

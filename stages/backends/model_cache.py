@@ -7,6 +7,7 @@ concurrent builders do not clash.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -18,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 #: Written last; a folder without it is a half-finished build and is rebuilt.
 COMPLETE_MARKER = ".omni-gateway-build-complete"
+#: speech-in models' language models, each in a folder of its own
+LM_CACHE = "speech-in-language-models"
 
 
 def cache_folder(name: str) -> Path:
@@ -57,3 +60,30 @@ def build_once(folder: Path, build: Callable[[Path], None], what: str) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("built the %s in %s", what, folder)
     return folder
+
+
+#: a checkpoint's files the language model served alone needs beside its weights
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def copy_tokenizer(checkpoint: Path, language_model: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copy(checkpoint / name, language_model / name)
+
+
+def language_model_folder(source: str, folder: Path) -> Path:
+    """Where a speech-in model's language model, served alone, lives: extracted once from
+    the checkpoint in `folder` (stages.backends.speech_in), or written there by a builder of
+    random weights."""
+    key = hashlib.sha1(f"{source}|{folder}".encode()).hexdigest()[:12]
+    return cache_folder(LM_CACHE) / f"{folder.name}-{key}"

@@ -30,7 +30,6 @@ Families:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -42,14 +41,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stages.backends.model_cache import build_once, cache_folder, is_complete
+from stages.backends.model_cache import (
+    build_once,
+    copy_tokenizer,
+    is_complete,
+    language_model_folder,
+)
 from stages.messages import CALLER_RATE
 
 logger = logging.getLogger(__name__)
 
 HOP = 160  # Whisper's mel frames: 10 ms at 16 kHz
 ULTRAVOX_WINDOW_MS = 1920  # 192 mel frames: 12 whole rows of 16 frames
-LM_CACHE = "speech-in-language-models"
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -229,32 +232,6 @@ def _extract_language_model(
 
     logger.info("speech-in: %s's language model for vLLM: %s", source, dest)
     return build_once(dest, build, f"language model of {source}")
-
-
-#: a checkpoint's files the language model served alone needs beside its weights
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
-
-def copy_tokenizer(checkpoint: Path, language_model: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (checkpoint / name).is_file():
-            shutil.copy(checkpoint / name, language_model / name)
-
-
-def language_model_folder(source: str, folder: Path) -> Path:
-    """Where `_extract_language_model` puts the language model of the checkpoint in `folder`
-    (a builder of random weights may write it there itself)."""
-    key = hashlib.sha1(f"{source}|{folder}".encode()).hexdigest()[:12]
-    return cache_folder(LM_CACHE) / f"{folder.name}-{key}"
 
 
 # -- Ultravox ------------------------------------------------------------------------------

@@ -9,8 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stages.backends.model_cache import build_once, cache_folder
-from stages.backends.speech_in import copy_tokenizer
+from stages.backends.model_cache import build_once, cache_folder, copy_tokenizer
 from stages.backends.tiny_chat_model import (
     ENDOFTEXT,
     IM_END,
