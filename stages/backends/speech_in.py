@@ -52,6 +52,7 @@ from stages.messages import CALLER_RATE
 logger = logging.getLogger(__name__)
 
 HOP = 160  # Whisper's mel frames: 10 ms at 16 kHz
+N_FFT = 400  # and the width of their STFT
 ULTRAVOX_WINDOW_MS = 1920  # 192 mel frames: 12 whole rows of 16 frames
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -487,14 +488,15 @@ class OmniTower:
         import torch
 
         wave = audio.astype(np.float32) / 32768.0
+        # the window and an STFT's width of the silence that padding to 30 s (the processor's
+        # way) would put after it: the same frames, without 30 s of spectrogram a window
         out = self.features(
-            [wave],
+            [np.pad(wave, (0, N_FFT))],
             sampling_rate=CALLER_RATE,
-            padding="max_length",
-            return_attention_mask=True,
+            padding="longest",
             return_tensors="pt",
         )
-        frames = max(int(out.attention_mask.sum()), 4)
+        frames = max(math.ceil(len(wave) / HOP), 4)
         mel = out.input_features[0, :, :frames].to(self.device, _torch_dtype(self.dtype))
         with torch.inference_mode():
             lengths = torch.tensor([frames], device=self.device)
