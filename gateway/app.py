@@ -24,6 +24,7 @@ from gateway.http_errors import OpenAIError, openai_shaped_errors
 from gateway.json_input import parse_json
 from gateway.page import add_page_routes
 from gateway.protocol import ProtocolError
+from gateway.realtime_url import omni_events, realtime_query
 from gateway.siblings import FORWARDED, VOUCHED, client_address, host_of_call
 from gateway.websocket import serve_websocket, websocket_response
 from stages.link import SessionsFull
@@ -250,6 +251,8 @@ async def realtime_calls(request: web.Request) -> web.Response:
             f"session), not {request.content_type!r}",
             code="unsupported_media_type",
         )
+    if (events := omni_events(realtime_query(request.query))) is not None:
+        session = {**(session or {}), "omni_events": events}
     call_id, answer = await _answer(request, sdp, grant, session)
     return web.Response(
         status=201,
@@ -278,7 +281,9 @@ async def offer(request: web.Request) -> web.Response:
         or not isinstance(data.get("sdp"), str)
     ):
         raise OpenAIError(400, 'expected {"type": "offer", "sdp": "..."}', code="invalid_offer")
-    call_id, answer = await _answer(request, data["sdp"], grant)
+    events = omni_events(realtime_query(request.query))
+    session = None if events is None else {"omni_events": events}
+    call_id, answer = await _answer(request, data["sdp"], grant, session)
     return web.json_response({"type": "answer", "sdp": answer, "call_id": call_id})
 
 
@@ -300,14 +305,15 @@ async def realtime_websocket(request: web.Request) -> web.StreamResponse:
     """GET /v1/realtime?model=...: a Realtime session over a WebSocket."""
     grant = _authorize(request)
     gateway = request.app[GATEWAY_KEY]
-    if "call_id" in request.query:
+    query = realtime_query(request.query)
+    if "call_id" in query:
         raise OpenAIError(
             400,
             "joining a WebRTC call's events over a WebSocket (call_id) is not supported",
             code="unsupported",
             param="call_id",
         )
-    if request.query.get("intent", "conversation") != "conversation":
+    if query.get("intent", "conversation") != "conversation":
         raise OpenAIError(
             400,
             "transcription-only sessions are not supported",
@@ -317,15 +323,15 @@ async def realtime_websocket(request: web.Request) -> web.StreamResponse:
     if not gateway.is_ready():
         raise _not_ready()
     try:
-        call = gateway.open_session(
-            "sess", grant, request.query.get("model"), client_address(request)
-        )
+        call = gateway.open_session("sess", grant, query.get("model"), client_address(request))
     except SessionsFull as exc:
         raise _full(gateway, exc) from None
     except TooManyCalls as exc:
         raise _too_many(gateway, exc) from None
     except ProtocolError as exc:
         raise _refused(exc) from None
+    if (events := omni_events(query)) is not None:
+        call.config.omni_events = events
     ws = websocket_response()
     try:
         await ws.prepare(request)

@@ -23,6 +23,7 @@ from gateway.loopwatch import LoopWatch, freeze_startup_objects
 from gateway.metrics import GatewayMetrics
 from gateway.opus import opus_rate_for
 from gateway.playout import PLAYOUT_RATE
+from gateway.prompt_limit import PromptLimit
 from gateway.protocol import SessionConfig, TurnDetection
 from gateway.session import RealtimeSession
 from gateway.siblings import Siblings, call_id
@@ -93,6 +94,7 @@ class Gateway:
         self.tracing: Tracing | None = None  # OpenTelemetry, when gateway.tracing is on
         self.watch: LoopWatch | None = None
         self.turn_models: TurnModels | None = None
+        self.prompt_limit = PromptLimit(config.reasoning)
         # replaced, never changed in place: a reader thread walks the tuple it read
         self._stage_observers: tuple[Callable[[Envelope], None], ...] = ()
 
@@ -230,6 +232,7 @@ class Gateway:
         if self.turn_models is not None:
             self.turn_models.check(config, param)
         check_servers(config.tools, self.config.gateway.tools, param)
+        self.prompt_limit.check(config, param)
         return config
 
     def open_session(
@@ -264,6 +267,7 @@ class Gateway:
             tracing=self.tracing,
             tools=gw.tools,
             speech_in=self.config.reasoning.speech_in is not None,
+            prompt_limit=self.prompt_limit,
         )
         self.calls[call.call_id] = call
         self.admission.admit(call.call_id, holder)

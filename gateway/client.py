@@ -179,7 +179,8 @@ class RealtimeCall:
             async with (
                 aiohttp.ClientSession() as http,
                 http.post(
-                    f"{base_url.rstrip('/')}/v1/realtime/calls",
+                    # with the gateway's own events (omni.*) beside OpenAI's
+                    f"{base_url.rstrip('/')}/v1/realtime/calls?omni_events=on",
                     data=pc.localDescription.sdp,
                     headers=headers,
                     timeout=aiohttp.ClientTimeout(total=timeout),

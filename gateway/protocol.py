@@ -1,10 +1,15 @@
 """The OpenAI Realtime (GA) session object: what a client may set, checked before anything
-changes, and refused by name when this gateway does not do it.
+changes.
 
 `SessionConfig.apply()` validates a `session.update` (or a client secret's session) as a whole
-and only then applies it, so a refused update changes nothing. Fields that we accept but whose
-value we cannot honour (another voice, another audio format, tools) are refused with a
-`ProtocolError` naming the field, never silently ignored; docs/realtime.md has the table.
+and only then applies it, so a refused update changes nothing. A value that is wrong by
+OpenAI's API (a bad type, an unknown field, a threshold out of range) or that would change what
+the client gets in a way it relies on (an audio format, a transcription-only session) is
+refused with a `ProtocolError` naming the field. A value OpenAI's API takes that only changes
+how the agent sounds or what it could do beside (one of OpenAI's voices, noise reduction, a
+speed) is taken without effect, so that it never costs a client the rest of its update (LiveKit
+Agents sends `voice: "marin"` with its turn detection and instructions); `session.updated`
+shows what is in effect. docs/realtime.md has the table.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ from gateway.config import MAX_OUTPUT_TOKENS, TurnDetectionConfig
 from gateway.fields import ProtocolError, check_keys, mapping, text_field, unsupported
 from gateway.opus import OpusUnavailable, opuslib
 from gateway.tools import ToolSet
+from stages.messages import CALLER_RATE
 
 INPUT_RATE = 24_000  # audio/pcm in the Realtime API: PCM16 mono 24 kHz, little-endian
+# audio/pcm in at 16 kHz too (an extension, as SGLang-Omni takes it: NVIDIA's Full-Duplex-Bench
+# client asks for it); the caller's audio is that rate in the pipeline, so nothing resamples
+PCM_INPUT_RATES = (INPUT_RATE, CALLER_RATE)
 OUTPUT_RATE = 24_000
 OPUS = "audio/opus"
 OPUS_RATE = 24_000  # what the agent's audio/opus is coded at
@@ -29,6 +38,11 @@ G711_FORMATS = ("audio/pcmu", "audio/pcma")  # 8 kHz telephone audio (gateway.g7
 G711_RATE = 8_000
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 
+
+#: the voices of OpenAI's Realtime API; any of them is taken, and the vocoder's voice speaks
+OPENAI_VOICES = frozenset(
+    ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
+)
 
 SERVER_VAD_FIELDS = (
     "threshold",
@@ -86,14 +100,18 @@ class TurnDetection:
         return cls(**checked.model_dump())
 
 
-def _audio_format(value: Any, param: str) -> str:
+def _audio_format(
+    value: Any, param: str, pcm_rates: tuple[int, ...] = (INPUT_RATE,)
+) -> tuple[str, int]:
+    """(type, rate) of an audio format object; `pcm_rates`: the rates audio/pcm may have."""
     value = mapping(value, param)
     kind = value.get("type")
     if kind == "audio/pcm":
         rate = value.get("rate", INPUT_RATE)
-        if rate != INPUT_RATE:
-            raise unsupported(f"{param}.rate={rate}", "audio/pcm is 24000 Hz")
-        return kind
+        if rate not in pcm_rates:
+            hz = " or ".join(str(r) for r in pcm_rates)
+            raise unsupported(f"{param}.rate={rate}", f"audio/pcm is {hz} Hz")
+        return kind, rate
     if kind == OPUS:
         # an extension: one 20 ms Opus packet per event, base64 (docs/realtime.md); Opus
         # decodes any coded rate, so `rate` is only a description
@@ -104,12 +122,12 @@ def _audio_format(value: Any, param: str) -> str:
             opuslib()
         except OpusUnavailable as exc:
             raise unsupported(f"{param}.type='audio/opus'", str(exc)) from None
-        return kind
+        return kind, OPUS_RATE
     if kind in G711_FORMATS:
         rate = value.get("rate", G711_RATE)
         if rate != G711_RATE:
             raise unsupported(f"{param}.rate={rate}", "G.711 is 8000 Hz")
-        return kind
+        return kind, G711_RATE
     raise ProtocolError(
         f"{param}.type must be 'audio/pcm', 'audio/pcmu', 'audio/pcma' or 'audio/opus', "
         f"not {kind!r}",
@@ -117,8 +135,7 @@ def _audio_format(value: Any, param: str) -> str:
     )
 
 
-def format_json(kind: str) -> dict[str, Any]:
-    rate = OPUS_RATE if kind == OPUS else G711_RATE if kind in G711_FORMATS else INPUT_RATE
+def format_json(kind: str, rate: int) -> dict[str, Any]:
     return {"type": kind, "rate": rate}
 
 
@@ -181,7 +198,7 @@ def _tracing(value: Any, param: str) -> str | dict[str, Any] | None:
 class SessionConfig:
     """One session's settings, rendered as the GA `session` object."""
 
-    voice: str  # the vocoder's voice; the only one accepted
+    voice: str  # the vocoder's voice: it speaks whichever of OpenAI's voices a client names
     model: str = "omni-gateway"
     instructions: str = ""
     output_modalities: list[str] = field(default_factory=lambda: ["audio"])
@@ -190,8 +207,13 @@ class SessionConfig:
     max_output_tokens: int | str = "inf"
     tracing: str | dict[str, Any] | None = None  # "auto", or {workflow_name, group_id, metadata}
     input_format: str = "audio/pcm"
+    input_rate: int = INPUT_RATE
     output_format: str = "audio/pcm"
+    output_rate: int = OUTPUT_RATE
     tools: ToolSet = field(default_factory=ToolSet)
+    # the gateway's own events (omni.*) beside OpenAI's: off unless the client asks, since
+    # clients that refuse event types they do not know stop at the first (docs/realtime.md)
+    omni_events: bool = False
 
     @property
     def audio_out(self) -> bool:
@@ -227,6 +249,7 @@ class SessionConfig:
                 "include",
                 "prompt",
                 "expires_at",
+                "omni_events",
             },
             param,
         )
@@ -239,6 +262,12 @@ class SessionConfig:
             new.model = update["model"]
         if "instructions" in update:
             new.instructions = text_field(update["instructions"], f"{param}.instructions")
+        if "omni_events" in update:
+            if not isinstance(update["omni_events"], bool):
+                raise ProtocolError(
+                    f"{param}.omni_events must be true or false", param=f"{param}.omni_events"
+                )
+            new.omni_events = update["omni_events"]
         if "output_modalities" in update:
             new.output_modalities = _modalities(
                 update["output_modalities"], f"{param}.output_modalities"
@@ -250,12 +279,8 @@ class SessionConfig:
         new.tools = tools.updated(self.tools, update, param)
         if "tracing" in update:
             new.tracing = _tracing(update["tracing"], f"{param}.tracing")
-        if update.get("truncation", "auto") != "auto":
-            raise unsupported(
-                f"{param}.truncation", "the history is fitted to the model's context (auto)"
-            )
-        if update.get("include"):
-            raise unsupported(f"{param}.include", "no transcription logprobs")
+        # truncation other than auto, include (transcription logprobs): taken, not honoured:
+        # the history is fitted to the model's context, and no logprobs are made
         if update.get("prompt") is not None:
             raise unsupported(f"{param}.prompt", "no stored prompts; use instructions")
         if "audio" in update:
@@ -269,9 +294,11 @@ class SessionConfig:
             inp, {"format", "transcription", "noise_reduction", "turn_detection"}, f"{param}.input"
         )
         if "format" in inp:
-            self.input_format = _audio_format(inp["format"], f"{param}.input.format")
+            self.input_format, self.input_rate = _audio_format(
+                inp["format"], f"{param}.input.format", PCM_INPUT_RATES
+            )
         if inp.get("noise_reduction") is not None:
-            raise unsupported(f"{param}.input.noise_reduction", "no noise reduction is built")
+            mapping(inp["noise_reduction"], f"{param}.input.noise_reduction")  # taken, not built
         if "transcription" in inp:
             t = inp["transcription"]
             if t is not None:
@@ -285,14 +312,22 @@ class SessionConfig:
         out = mapping(audio.get("output", {}), f"{param}.output")
         check_keys(out, {"format", "voice", "speed"}, f"{param}.output")
         if "format" in out:
-            self.output_format = _audio_format(out["format"], f"{param}.output.format")
-        if "voice" in out and out["voice"] != self.voice:
-            raise unsupported(
-                f"{param}.output.voice={out['voice']!r}",
-                f"this gateway's vocoder speaks with voice {self.voice!r}",
+            self.output_format, self.output_rate = _audio_format(
+                out["format"], f"{param}.output.format"
             )
-        if out.get("speed", 1.0) != 1.0:
-            raise unsupported(f"{param}.output.speed", "the vocoder speaks at speed 1.0")
+        voice = out.get("voice", self.voice)
+        if voice != self.voice and voice not in OPENAI_VOICES:
+            raise unsupported(
+                f"{param}.output.voice={voice!r}",
+                f"this gateway's vocoder speaks with voice {self.voice!r} (OpenAI's voice names "
+                "are taken, and it speaks them)",
+            )
+        speed = out.get("speed", 1.0)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+            raise ProtocolError(
+                f"{param}.output.speed must be a number", param=f"{param}.output.speed"
+            )
+        # another speed is taken, not honoured: the vocoder speaks at 1.0
 
     def to_json(self, session_id: str, expires_at: int = 0) -> dict[str, Any]:
         return {
@@ -304,7 +339,7 @@ class SessionConfig:
             "instructions": self.instructions,
             "audio": {
                 "input": {
-                    "format": format_json(self.input_format),
+                    "format": format_json(self.input_format, self.input_rate),
                     "transcription": self.transcription,
                     "noise_reduction": None,
                     "turn_detection": (
@@ -312,7 +347,7 @@ class SessionConfig:
                     ),
                 },
                 "output": {
-                    "format": format_json(self.output_format),
+                    "format": format_json(self.output_format, self.output_rate),
                     "voice": self.voice,
                     "speed": 1.0,
                 },

@@ -128,10 +128,6 @@ async def serve_websocket(
 ) -> None:
     """Run a prepared WebSocket as `session` until either side closes; one that sends no
     event in `first_event_timeout_s` is closed (it holds a call slot otherwise)."""
-    # the gateway's own events (omni.*) off: clients that refuse event types they do not know
-    # (the openai-agents Python SDK reports each as an error) connect with ?omni_events=off
-    if request.query.get("omni_events", "on") == "off":
-        session.outbox.extensions = False
     session.bind(WebSocketTransport(session, ws))
     session.start()
     reason, events = "websocket closed", 0

@@ -182,8 +182,9 @@ class ToolCallingConfig(Strict):
     max_tokens: int = Field(
         256,
         ge=16,
-        description="the token cap of a reply that may call a function, when the reply's "
-        "own is lower: the call's JSON must fit",
+        description="the tokens a reply that may call a function may write once it has "
+        "begun a call, when the reply's own cap is lower (the call's JSON must fit); what a "
+        "reply says stops at its own cap",
     )
 
 

@@ -276,6 +276,11 @@ class ResponseDone(Msg):
     input_tokens: int = 0
     input_audio_tokens: int = 0
     cached_tokens: int = 0
+    # a failed reply's reason, a code (generation_failed, engine_dead, tool_template); the
+    # stage's log has what an exception said, which is not the client's to read, unless it is
+    # one of the stage's own, written for them (`error_message`)
+    error: str = ""
+    error_message: str = ""
     # the function calls it made, in order (gateway only); a call whose arguments are not a
     # JSON object, or which names no tool, is in `bad_calls` instead, with why
     tool_calls: list[ToolCall] = []

@@ -17,6 +17,7 @@ supervisor restarts it and tells its sessions, instead of failing every later tu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import signal
@@ -193,6 +194,9 @@ class ReasoningStage(Stage):
         if speech_in is not None:
             import torch
 
+            # this process's tensor work is copying rows into prompts, on the event loop that
+            # also reads vLLM's outputs: one thread, not a pool spinning on every core
+            torch.set_num_threads(1)
             assert cfg.speech_in is not None
             hidden = self.engine.hidden_size
             dtype = getattr(torch, cfg.speech_in.dtype)
@@ -496,7 +500,7 @@ class ReasoningStage(Stage):
         self._emit(session, response, GATEWAY, started)
         status, first_ns, index = "completed", 0, 0
         calls: ToolCalls | None = None
-        usage, audio_rows = PromptUsage(), 0
+        usage, audio_rows, failure, told = PromptUsage(), 0, "", ""
         try:
             calls, prompt, sampling, tools, template = self._prepare(session, state, options)
             submitted_ns = time.monotonic_ns()
@@ -508,26 +512,40 @@ class ReasoningStage(Stage):
                 pieces = self.engine.generate_pieces(
                     request_id, prompt, sampling, tools, template, usage
                 )
-            async for text, token_ids, finished in pieces:
-                if not first_ns:
-                    first_ns = time.monotonic_ns()
-                said = self._said(session, response, calls, text, token_ids, finished)
-                if said:
-                    response.text += said
-                    since_submit = first_ns - submitted_ns if index == 0 else 0
-                    delta = TextDelta(response.response_id, said, index, since_submit)
-                    index += 1
-                    self._emit(session, response, "vocoder", delta)
-                    self._emit(session, response, GATEWAY, delta)
+            # one cap for what a reply says: the tools' larger one (its `sampling`) is for the
+            # JSON of a call, so a reply that may call but talks stops at the words' cap
+            words_cap = self._words_cap(options) if calls is not None else None
+            tokens = 0
+            async with contextlib.aclosing(pieces) as stream:  # a break aborts the request
+                async for text, token_ids, finished in stream:
+                    if not first_ns:
+                        first_ns = time.monotonic_ns()
+                    tokens += len(token_ids)
+                    said = self._said(session, response, calls, text, token_ids, finished)
+                    if said:
+                        response.text += said
+                        since_submit = first_ns - submitted_ns if index == 0 else 0
+                        delta = TextDelta(response.response_id, said, index, since_submit)
+                        index += 1
+                        self._emit(session, response, "vocoder", delta)
+                        self._emit(session, response, GATEWAY, delta)
+                    if words_cap is not None and tokens >= words_cap and not calls.calling:
+                        break
         except asyncio.CancelledError:
             raise  # _cancel answers for a cancelled reply
         except EngineDeadError as exc:
-            status = "failed"
-            self.error(session, "engine_dead", f"{exc}; the reasoning stage restarts")
+            status, failure = "failed", "engine_dead"  # the reply's end says so
+            logger.error("reasoning: session %d's reply failed: %s", session, exc)
             self._engine_died(exc)
         except Exception as exc:
-            status = "failed"
-            self.error(session, "generation_failed", f"{type(exc).__name__}: {exc}")
+            from stages.backends.tool_parsing import ToolTemplateError
+
+            status, failure = "failed", "generation_failed"
+            if isinstance(exc, ToolTemplateError):  # the setting to fix, for the client too
+                failure, told = "tool_template", str(exc)
+            logger.warning(
+                "reasoning: session %d's reply failed: %s: %s", session, type(exc).__name__, exc
+            )
         response.finished = True
         good, bad = calls.finish() if calls is not None and status == "completed" else ([], [])
         response.record(state.conversation, response.text, good)
@@ -540,6 +558,8 @@ class ReasoningStage(Stage):
             input_tokens=usage.prompt_tokens,
             input_audio_tokens=audio_rows,
             cached_tokens=usage.cached_tokens,
+            error=failure,
+            error_message=told,
         )
         self._emit(session, response, "vocoder", done)
         self._emit(
@@ -628,6 +648,10 @@ class ReasoningStage(Stage):
                         session, response, GATEWAY, ToolArguments(response.response_id, i, delta)
                     )
         return said
+
+    def _words_cap(self, options: ReplyOptions) -> int | None:
+        """The tokens a reply may speak: its own cap, or the configured one (None: none)."""
+        return options.max_output_tokens or self.config.reasoning.sampling.get("max_tokens")
 
     def _cap(self, options: ReplyOptions) -> int | None:
         """The reply's token cap: its own, or at least what a function call needs."""

@@ -14,6 +14,9 @@
 // and "error" (detail: an Error) for failures of the call itself. No dependencies, no build step.
 
 export const CALLS_PATH = "/v1/realtime/calls";
+// the gateway's own events (omni.*: first audio, cancel acknowledged) beside OpenAI's, which
+// the page shows; the gateway sends them only to clients that ask
+export const OMNI_EVENTS = "?omni_events=on";
 export const EVENTS_CHANNEL = "oai-events";
 
 /** Why the microphone could not be opened; `kind` is one of MicrophoneError.KINDS. */
@@ -240,7 +243,7 @@ export class RealtimeClient extends EventTarget {
   async _postOffer(sdp) {
     let response;
     try {
-      response = await fetch(this.baseUrl + CALLS_PATH, {
+      response = await fetch(this.baseUrl + CALLS_PATH + OMNI_EVENTS, {
         method: "POST",
         body: sdp,
         headers: this._headers({ "Content-Type": "application/sdp" }),

@@ -58,6 +58,7 @@ from stages.messages import (
 from stages.tasks import Tasks
 
 if TYPE_CHECKING:
+    from gateway.prompt_limit import PromptLimit
     from gateway.tracing import Tracing
     from gateway.turns.models import TurnModels
 
@@ -91,17 +92,19 @@ class RealtimeSession:
         tracing: Tracing | None = None,
         tools: ToolsConfig | None = None,
         speech_in: bool = False,
+        prompt_limit: PromptLimit | None = None,
     ) -> None:
         """`turns`: the gateway's turn-taking section (its defaults without one);
         `turn_models`: the process's classifier and end-of-turn model (webrtcvad and no
         semantic_vad without); `tracing`: the process's OpenTelemetry traces (gateway.tracing),
         if on; `tools`: the gateway's rules for function and MCP tools; `speech_in`: the
-        reasoning model hears the turns (reasoning.speech_in), not their transcripts."""
+        reasoning model hears the turns (reasoning.speech_in), not their transcripts;
+        `prompt_limit`: instructions and tools checked against the model's context."""
         self.call_id, self.link, self.session = call_id, link, session
         self.vocoder_rate, self.metrics, self.config = vocoder_rate, metrics, config
         self.on_closed, self.speech_in = on_closed, speech_in
         self.log = CallLog(logger, {"call": call_id, "session": session})
-        self.outbox = Outbox(call_id)
+        self.outbox = Outbox(call_id, config)
         self.items = Conversation()
         self.tasks = Tasks()
         turns = turns or TurnsConfig()
@@ -119,7 +122,7 @@ class RealtimeSession:
             spawn=self.spawn,
             spans=self.spans,
         )
-        self.turn_models = turn_models
+        self.turn_models, self.prompt_limit = turn_models, prompt_limit
         self.idle = IdleTimer(self._idle_timeout)
         self.replies = Replies(
             self.outbox,
@@ -152,7 +155,7 @@ class RealtimeSession:
             follow_up=self._follow_up,
         )
         self.intake = Intake(
-            lambda: self.config.input_format,
+            lambda: (self.config.input_format, self.config.input_rate),
             vocoder_rate,
             self.feed_audio,
             self.spawn,
@@ -362,7 +365,11 @@ class RealtimeSession:
                 self.cancels.acked(msg.cancel_id, msg.stage, msg.t_ns, msg.kv_usage)
             case Error():
                 self.metrics.stage_errors.labels(msg.stage).inc()
-                message = f"{msg.stage}: {msg.message}"
+                if msg.code == STAGE_RESTARTED:  # the supervisor's words, for the client
+                    message = f"{msg.stage}: {msg.message}"
+                else:  # a stage's own: what its exception said stays in the server's log
+                    self.log.warning("%s stage error %s: %s", msg.stage, msg.code, msg.message)
+                    message = f"the {msg.stage} stage failed ({msg.code}); see the server's log"
                 self.outbox.error(message, code=msg.code, type_="server_error")
                 if msg.code == STAGE_RESTARTED:
                     self._stage_lost({"type": "server_error", "code": msg.code, "message": message})

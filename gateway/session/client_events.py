@@ -15,6 +15,7 @@ from gateway.session import stop
 
 if TYPE_CHECKING:
     from gateway.conversation import Conversation
+    from gateway.prompt_limit import PromptLimit
     from gateway.protocol import ResponseParams, SessionConfig
     from gateway.session.intake import Intake
     from gateway.session.outbox import Outbox, Transport
@@ -40,6 +41,7 @@ class Session(Protocol):
     cancels: Cancels
     tools: SessionTools
     turn_models: TurnModels | None
+    prompt_limit: PromptLimit | None
     log: logging.LoggerAdapter[Any]
     vocoder_rate: int
     deferred_create: tuple[ResponseParams, str | None] | None
@@ -102,6 +104,8 @@ def session_update(session: Session, data: dict[str, Any], event_id: str | None)
     if session.turn_models is not None:  # semantic_vad needs the end-of-turn model
         session.turn_models.check(new)
     session.tools.check(new.tools)  # MCP servers the gateway may reach
+    if session.prompt_limit is not None:  # instructions and tools that leave room for replies
+        session.prompt_limit.check(new)
     session.config.apply(data.get("session"))
     session.turns.reconfigure(had_vad)
     session.apply_settings()

@@ -33,7 +33,7 @@ class Intake:
 
     def __init__(
         self,
-        input_format: Callable[[], str],
+        input_format: Callable[[], tuple[str, int]],  # the session's: (type, rate)
         vocoder_rate: int,
         feed: Callable[[np.ndarray], None],
         spawn: Callable[[Any, str], asyncio.Task[Any]],
@@ -60,7 +60,7 @@ class Intake:
             raise ProtocolError(
                 f"audio is not valid base64: {exc}", param="audio", code="invalid_audio"
             ) from None
-        audio_format = self.input_format()
+        audio_format, rate = self.input_format()
         if audio_format in G711_FORMATS:
             # any length: every byte is a sample
             self.feed(self.g711(audio_format).decode(raw))
@@ -82,13 +82,15 @@ class Intake:
                 code="invalid_audio",
             )
         pcm = np.frombuffer(raw, dtype="<i2").astype(np.int16)
+        # at 16 kHz (the caller rate) it goes as it is, at 24 kHz through the resampler
+        take = self.feed if rate == CALLER_RATE else lambda p: self.feed(self.resampler.convert(p))
         if len(pcm) <= INPUT_RATE:
-            self.feed(self.resampler.convert(pcm))
+            take(pcm)
             return
         # Longer: a second at a time, the loop served between (15 MiB is minutes of audio,
         # half a second of VAD work), and the resampler (libswresample) never given more:
         # it sizes its buffers, kept for the session's life, to the largest piece it had
-        self._long = self.spawn(self._take_in(pcm), "intake")
+        self._long = self.spawn(self._take_in(pcm, take), "intake")
 
     @property
     def opus(self) -> PacketCodec:
@@ -128,10 +130,10 @@ class Intake:
                 "was taken in: this one was dropped"
             )
 
-    async def _take_in(self, pcm: np.ndarray) -> None:
+    async def _take_in(self, pcm: np.ndarray, take: Callable[[np.ndarray], None]) -> None:
         try:
             for start in range(0, len(pcm), INPUT_RATE):
-                self.feed(self.resampler.convert(pcm[start : start + INPUT_RATE]))
+                take(pcm[start : start + INPUT_RATE])
                 await asyncio.sleep(0)  # the other calls on this loop, between seconds
         finally:
             self._long = None

@@ -4,6 +4,8 @@ shape is written once."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -74,12 +76,13 @@ class Outbox:
     """Events to the client, in order; those sent before a transport is bound go out when it
     is, and none after the session closed."""
 
-    def __init__(self, call_id: str) -> None:
+    def __init__(self, call_id: str, config: SessionConfig) -> None:
         self.call_id = call_id
+        self.config = config  # the session's: whether omni.* events go out too
         self.transport: Transport | None = None
         self.closed = False
-        self.extensions = True  # the gateway's omni.* events go out too
         self._pending: list[dict[str, Any]] = []
+        self._held: list[dict[str, Any]] | None = None  # while `holding`
 
     def bind(self, transport: Transport) -> None:
         self.transport = transport
@@ -87,8 +90,27 @@ class Outbox:
         for event in pending:
             transport.send_event(event)
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[list[dict[str, Any]]]:
+        """The events sent inside are kept in the list it gives, for `send_all` later: a
+        barge-in's cut is decided before its turn's speech_started exists, and a client reads
+        them in OpenAI's order, speech_started first."""
+        held: list[dict[str, Any]] = []
+        self._held = held
+        try:
+            yield held
+        finally:
+            self._held = None
+
+    def send_all(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            self.send(event)
+
     def send(self, event: dict[str, Any]) -> None:
-        if self.closed or (not self.extensions and event["type"].startswith("omni.")):
+        if self.closed or (not self.config.omni_events and event["type"].startswith("omni.")):
+            return
+        if self._held is not None:
+            self._held.append(event)
             return
         if self.transport is None:
             self._pending.append(event)

@@ -23,6 +23,22 @@ from stages.messages import ResponseDone
 TRACKERS_KEPT = 32  # recent audio items whose spoken marks conversation.item.truncate may use
 
 
+#: what a client reads of a reply that failed, by the reasoning stage's code for why (its log
+#: has what the exception said)
+FAILURES = {
+    "generation_failed": "the reply could not be generated",
+    "engine_dead": "the reasoning engine stopped; it is restarting",
+}
+
+
+def failed(code: str, message: str = "") -> dict[str, Any]:
+    """response.done's status_details for a failed reply, in OpenAI's shape; `message`: the
+    stage's own words for the client, where it has them."""
+    code = code or "generation_failed"
+    message = message or FAILURES.get(code, "the reply failed")
+    return {"type": "failed", "error": {"type": "server_error", "code": code, "message": message}}
+
+
 class Replies:
     """One session's replies, and the events of each."""
 
@@ -226,7 +242,8 @@ class Replies:
                 self.outbox.output_text_done(reply)
         if status == "completed" and reply.audio and not reply.audio_done and reply.item:
             return  # AUDIO_DONE finishes it
-        self._generated(reply, status)
+        details = failed(done.error, done.error_message) if status == "failed" else None
+        self._generated(reply, status, details)
 
     def audio_done(self, reply: Reply) -> None:
         if reply.state is not ReplyState.STARTED:
@@ -240,7 +257,7 @@ class Replies:
             self._generated(reply, "completed")
         # else its RESPONSE_DONE, still on reasoning's ring, finishes it with the whole text
 
-    def _generated(self, reply: Reply, status: str) -> None:
+    def _generated(self, reply: Reply, status: str, details: dict[str, Any] | None = None) -> None:
         if reply.state is not ReplyState.STARTED:
             return  # finished already (a failed reply's audio still ended)
         if status == "completed" and reply.mcp_running:
@@ -254,7 +271,7 @@ class Replies:
             item.status = "completed" if status == "completed" else "incomplete"
             self.outbox.output_item_done(reply, item)
             self.outbox.item_done(item)
-        self.outbox.response_done(reply, status)
+        self.outbox.response_done(reply, status, details)
         transport = self.outbox.transport
         if reply.audio and reply.item is not None and transport is not None:
             transport.finish(reply)  # it calls `played` once the caller has heard it all

@@ -197,14 +197,18 @@ class CallerTurns:
 
     def speech_started(self, started: VadStart) -> None:
         self.metrics.vad_events.labels("speech_started").inc()
-        provisional = self.listener.speech_onset()
-        self.begin(started.audio_start_ms, provisional=provisional)
-        if provisional:
-            self.provisional.add(self.turn_id)
-        self.turn_audio.append(started.prefix)
-        for chunk in self.chunker.push(started.prefix):
-            self.link.send_audio(self.session, chunk)
-        self.outbox.speech_started(started.audio_start_ms, self.turn_items[self.turn_id])
+        with self.outbox.holding() as cut:  # what a barge-in does to the reply, told after
+            provisional = self.listener.speech_onset()
+        try:
+            self.begin(started.audio_start_ms, provisional=provisional)
+            if provisional:
+                self.provisional.add(self.turn_id)
+            self.turn_audio.append(started.prefix)
+            for chunk in self.chunker.push(started.prefix):
+                self.link.send_audio(self.session, chunk)
+            self.outbox.speech_started(started.audio_start_ms, self.turn_items[self.turn_id])
+        finally:
+            self.outbox.send_all(cut)
 
     def begin(
         self, audio_start_ms: int, item_id: str | None = None, provisional: bool = False

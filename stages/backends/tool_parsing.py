@@ -130,6 +130,11 @@ class ToolCalls:
         self._calls: list[dict[str, str]] = []  # by index: call_id, name, arguments
         self._announced: set[int] = set()  # indexes whose CallStarted went out
 
+    @property
+    def calling(self) -> bool:
+        """The model has begun a call: what it writes now is a call's, not words."""
+        return bool(self._calls)
+
     def sampling(self) -> dict[str, Any]:
         """SamplingParams fields the parser asked for: the JSON schema a required or named
         call must follow, and the special tokens some formats mark calls with."""

@@ -67,7 +67,8 @@ def test_semantic_vad_is_rendered_with_its_own_fields() -> None:
 @pytest.mark.parametrize(
     ("update", "param"),
     [
-        ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice='alloy'"),
+        ({"audio": {"output": {"voice": "robot"}}}, "session.audio.output.voice='robot'"),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 8000}}}}, "rate"),
         ({"audio": {"input": {"format": {"type": "audio/pcmu", "rate": 16000}}}}, "rate"),
         (
             {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.9}}}},
@@ -80,7 +81,7 @@ def test_semantic_vad_is_rendered_with_its_own_fields() -> None:
         ({"audio": {"input": {"turn_detection": {"type": "near_vad"}}}}, "turn_detection.type"),
         ({"audio": {"input": {"turn_detection": {"idle_timeout_ms": 10}}}}, "idle_timeout_ms"),
         ({"audio": {"input": {"turn_detection": {"threshold": 2}}}}, "threshold"),
-        ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "noise_reduction"),
+        ({"audio": {"input": {"noise_reduction": "on"}}}, "noise_reduction"),
         ({"tools": [{"type": "function", "name": "no spaces"}]}, "session.tools[0].name"),
         (
             {"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
@@ -116,7 +117,7 @@ def test_semantic_vad_is_rendered_with_its_own_fields() -> None:
         ({"max_output_tokens": 0}, "session.max_output_tokens"),
         ({"type": "transcription"}, "session.type"),
         ({"colour": "blue"}, "session.colour"),
-        ({"audio": {"output": {"speed": 1.5}}}, "session.audio.output.speed"),
+        ({"audio": {"output": {"speed": "fast"}}}, "session.audio.output.speed"),
     ],
 )
 def test_refused_updates_name_the_field_and_change_nothing(update, param) -> None:
@@ -128,6 +129,45 @@ def test_refused_updates_name_the_field_and_change_nothing(update, param) -> Non
     assert config.to_json("s") == before
 
 
+def test_what_openai_takes_and_only_changes_the_sound_costs_no_update_the_rest() -> None:
+    """LiveKit Agents' default session: OpenAI's voice `marin`, semantic_vad, noise reduction,
+    all in one update with the instructions. The vocoder's voice speaks; the rest applies."""
+    config = fresh()
+    config.apply(
+        {
+            "instructions": "Be brief.",
+            "audio": {
+                "input": {
+                    "turn_detection": {"type": "semantic_vad", "eagerness": "auto"},
+                    "noise_reduction": {"type": "near_field"},
+                    "format": {"type": "audio/pcm", "rate": 24000},
+                },
+                "output": {"voice": "marin", "speed": 1.2},
+            },
+            "truncation": "disabled",
+            "include": ["item.input_audio_transcription.logprobs"],
+        }
+    )
+    shown = config.to_json("s")
+    assert shown["instructions"] == "Be brief."
+    assert shown["audio"]["input"]["turn_detection"]["type"] == "semantic_vad"
+    assert shown["audio"]["output"] == {  # what is in effect
+        "format": {"type": "audio/pcm", "rate": 24000},
+        "voice": "en-us",
+        "speed": 1.0,
+    }
+    assert shown["audio"]["input"]["noise_reduction"] is None and shown["truncation"] == "auto"
+
+
+def test_pcm_input_at_16_khz_is_taken_and_shown() -> None:
+    config = fresh()
+    config.apply({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}})
+    assert (config.input_format, config.input_rate) == ("audio/pcm", 16000)
+    assert config.to_json("s")["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 16000}
+    with pytest.raises(ProtocolError, match="audio/pcm is 24000 Hz"):  # output stays 24 kHz
+        config.apply({"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}})
+
+
 def test_response_create_overrides_and_refusals() -> None:
     params = parse_response_create(
         {"output_modalities": ["text"], "instructions": "x", "max_output_tokens": 5}, fresh()
@@ -137,7 +177,7 @@ def test_response_create_overrides_and_refusals() -> None:
     for bad, param in [
         ({"conversation": "none"}, "response.conversation"),
         ({"input": []}, "response.input"),
-        ({"audio": {"output": {"voice": "ash"}}}, "voice"),
+        ({"audio": {"output": {"voice": "robot"}}}, "voice"),
         ({"metadata": "x"}, "response.metadata"),
     ]:
         with pytest.raises(ProtocolError) as err:

@@ -69,8 +69,14 @@ async def test_session_update_applies_and_refuses_what_is_not_built(base) -> Non
         assert updated["instructions"] == "Answer in three words."
         assert updated["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 400
 
+        # one of OpenAI's voices is taken, and the vocoder's speaks it, which session.updated says
         await conn.session.update(
-            session={"type": "realtime", "audio": {"output": {"voice": "alloy"}}},
+            session={"type": "realtime", "audio": {"output": {"voice": "alloy"}}}
+        )
+        spoken = (await events.next("session.updated"))["session"]
+        assert spoken["audio"]["output"]["voice"] == "en-us"
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"output": {"voice": "robot"}}},
             event_id="evt_voice",
         )
         error = (await events.next("error"))["error"]
@@ -82,22 +88,48 @@ async def test_session_update_applies_and_refuses_what_is_not_built(base) -> Non
         )
         error = (await events.next("error"))["error"]
         assert error["event_id"] == "evt_threshold" and "threshold" in error["param"]
+        # instructions the model's context cannot hold beside a reply: refused when set,
+        # naming the limit, instead of every reply failing
+        await conn.session.update(
+            session={"type": "realtime", "instructions": "Speak kindly. " * 2000},
+            event_id="evt_long",
+        )
+        error = (await events.next("error"))["error"]
+        assert error["event_id"] == "evt_long" and error["code"] == "context_length_exceeded"
+        assert error["param"] == "session.instructions" and "holds 1024" in error["message"]
         # a refused update changed nothing
         await conn.session.update(session={"type": "realtime"})
         again = (await events.next("session.updated"))["session"]
         assert again["audio"]["output"]["voice"] == "en-us"
+        assert again["instructions"] == "Answer in three words."
         assert again["audio"]["input"]["turn_detection"]["threshold"] == 0.5
 
 
-async def test_spoken_turn(base, make_speech) -> None:
+def pcm16k_b64(pcm16k: np.ndarray, chunk_ms: int = 100) -> list[str]:
+    step, pcm = 16 * chunk_ms, pcm16k.astype("<i2")
+    pieces = (pcm[i : i + step] for i in range(0, len(pcm), step))
+    return [base64.b64encode(piece.tobytes()).decode() for piece in pieces]
+
+
+@pytest.mark.parametrize("rate", [24000, 16000])
+async def test_spoken_turn(base, make_speech, rate) -> None:
+    """OpenAI's 24 kHz PCM, and 16 kHz (NVIDIA's Full-Duplex-Bench client asks for it)."""
     speech = make_speech("what is the weather like today in paris")
+    chunks = pcm24k_b64 if rate == 24000 else pcm16k_b64
     async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
         events = Events(conn)
         await events.next("session.created")
-        for chunk in pcm24k_b64(speech.pcm16):
+        if rate != 24000:
+            pcm = {"type": "audio/pcm", "rate": rate}
+            await conn.session.update(
+                session={"type": "realtime", "audio": {"input": {"format": pcm}}}
+            )
+            shown = (await events.next("session.updated"))["session"]
+            assert shown["audio"]["input"]["format"] == pcm
+        for chunk in chunks(speech.pcm16):
             await conn.input_audio_buffer.append(audio=chunk)
         silence = np.zeros(16000, np.int16)  # end of turn for the VAD
-        for chunk in pcm24k_b64(silence):
+        for chunk in chunks(silence):
             await conn.input_audio_buffer.append(audio=chunk)
         started = await events.next("input_audio_buffer.speech_started")
         stopped = await events.next("input_audio_buffer.speech_stopped")
@@ -191,7 +223,9 @@ async def test_text_turn_with_text_and_with_audio_output(base) -> None:
 
 
 async def test_cancel_mid_response_frees_the_kv_cache(base) -> None:
-    async with sdk(base).realtime.connect(model="gpt-realtime") as conn:
+    # omni_events: the gateway's own omni.response.cancelled, which says the KV cache is free
+    on = {"omni_events": "on"}
+    async with sdk(base).realtime.connect(model="gpt-realtime", extra_query=on) as conn:
         events = Events(conn)
         await events.next("session.created")
         # a long text reply, so that the cancel lands while vLLM is still generating it

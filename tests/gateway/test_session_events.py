@@ -7,10 +7,11 @@ import functools
 from typing import Any
 
 import numpy as np
+import pytest
 
 from gateway.config import TurnsConfig
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import SessionConfig
+from gateway.protocol import ProtocolError, SessionConfig
 from gateway.session import RealtimeSession, Reply, stop
 from stages.envelope import Envelope
 from stages.messages import Kind, Transcript
@@ -201,11 +202,12 @@ def test_a_reply_whose_audio_ends_before_its_text_arrives_is_finished_once_with_
 class Bound:
     """A session bound to a recording transport and link, fed stage events by `stage`."""
 
-    def __init__(self) -> None:
+    def __init__(self, omni_events: bool = True) -> None:
         self.link, self.transport = RecordingLink(), RecordingTransport()
         self.metrics = GatewayMetrics()
+        config = SessionConfig(voice="v", omni_events=omni_events)
         self.session = RealtimeSession(
-            "sess_b", self.link, 1, 22050, self.metrics, SessionConfig(voice="v"), print, TURNS
+            "sess_b", self.link, 1, 22050, self.metrics, config, print, TURNS
         )
         self.session.bind(self.transport)
 
@@ -214,6 +216,25 @@ class Bound:
 
     def audio(self, samples: int) -> None:
         self.stage("vocoder", Kind.AUDIO_OUT, np.ones(samples, np.int16).tobytes())
+
+
+def test_the_gateways_own_events_go_only_to_a_client_that_asked() -> None:
+    from stages.messages import Phrase, ResponseStarted
+
+    def events_of_a_reply(b: Bound) -> list[str]:
+        b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+        b.stage("vocoder", Kind.PHRASE, Phrase("resp_1", "Sure", 22050, 0))
+        b.audio(2205)
+        return [e["type"] for e in b.transport.events]
+
+    assert "omni.response.first_audio" in events_of_a_reply(Bound(omni_events=True))
+    quiet = events_of_a_reply(Bound(omni_events=False))  # the default
+    assert "response.created" in quiet and not any(t.startswith("omni.") for t in quiet)
+    assert SessionConfig(voice="v").omni_events is False
+    asked = SessionConfig(voice="v").updated({"omni_events": True})
+    assert asked.omni_events is True and "omni_events" not in asked.to_json("s")
+    with pytest.raises(ProtocolError, match="omni_events must be true or false"):
+        SessionConfig(voice="v").updated({"omni_events": "yes"})
 
 
 def test_a_replys_voice_that_comes_before_its_start_is_kept_for_it() -> None:
@@ -385,7 +406,9 @@ def test_a_reply_that_starts_while_the_caller_speaks_again_is_stopped_unheard(
 class Overlapping(Bound):
     """A WebRTC-like session under the provisional policy whose agent is speaking."""
 
-    def __init__(self, min_speech_ms: int = 0, turn_models: Any = None) -> None:
+    def __init__(
+        self, min_speech_ms: int = 0, turn_models: Any = None, policy: str = "provisional"
+    ) -> None:
         from gateway.protocol import TurnDetection
         from stages.messages import ResponseStarted
 
@@ -394,7 +417,7 @@ class Overlapping(Bound):
         self.metrics = GatewayMetrics()
         turns = TurnsConfig(
             prepare_reply_ms=0,
-            interruptions={"policy": "provisional", "min_speech_ms": min_speech_ms},
+            interruptions={"policy": policy, "min_speech_ms": min_speech_ms},
             end_of_turn={"ask_after_ms": 120},
         )
         td = TurnDetection(type="semantic_vad" if turn_models else "server_vad")
@@ -404,7 +427,7 @@ class Overlapping(Bound):
             1,
             22050,
             self.metrics,
-            SessionConfig(voice="v", turn_detection=td),
+            SessionConfig(voice="v", turn_detection=td, omni_events=True),
             print,
             turns=turns,
             turn_models=turn_models,
@@ -473,6 +496,20 @@ def test_speech_that_goes_on_interrupts_and_its_turn_is_begun_again(make_speech)
     # its audio so far went to the encoder again after the cancel
     order = [c[0] for c in o.link.calls]
     assert order.index("cancel") < len(order) - 1 - order[::-1].index("speech_started")
+
+
+def test_a_barge_in_tells_the_client_of_the_speech_before_what_it_did_to_the_reply(
+    make_speech,
+) -> None:
+    """OpenAI's order: input_audio_buffer.speech_started, then the cut reply's events (LiveKit's
+    interrupt() sends nothing otherwise), though the cut is decided first."""
+    o = Overlapping(policy="immediate")
+    o.speak(make_speech("stop please").pcm16)
+    assert len(o.called("cancel")) == 1
+    types = o.types()
+    started = types.index("input_audio_buffer.speech_started")
+    assert started < types.index("conversation.item.truncated")
+    assert started < types.index("response.done")
 
 
 BIG_APPENDS = """
@@ -821,3 +858,29 @@ async def test_semantic_vad_leaves_a_sound_over_the_agent_to_the_silence_window(
     ((_, stopped, *_),) = o.called("speech_stopped")
     assert stopped == turn and model.asked == []
     await o.session.close("done")
+
+
+def test_a_failed_reply_ends_in_openais_shape_without_an_error_event() -> None:
+    """The failure is the reply's: response.done says it (status_details.error), and no
+    `error` event makes a client (pipecat) drop the session; nothing of the stage's exception
+    reaches the client."""
+    from stages.messages import Error, ResponseDone, ResponseStarted
+
+    b = Bound(omni_events=False)
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    b.stage(
+        "reasoning", Kind.RESPONSE_DONE, ResponseDone("resp_1", "failed", "", error="engine_dead")
+    )
+    (done,) = [e for e in b.transport.events if e["type"] == "response.done"]
+    assert done["response"]["status"] == "failed"
+    error = done["response"]["status_details"]["error"]
+    assert error == {
+        "type": "server_error",
+        "code": "engine_dead",
+        "message": "the reasoning engine stopped; it is restarting",
+    }
+    assert "error" not in [e["type"] for e in b.transport.events]
+    # a stage's own error (not a reply's) is an `error` event, its exception text kept back
+    b.stage("vocoder", Kind.ERROR, Error("vocoder", "synthesis_failed", "RuntimeError: CUDA oops"))
+    (event,) = [e for e in b.transport.events if e["type"] == "error"]
+    assert event["error"]["code"] == "synthesis_failed" and "oops" not in event["error"]["message"]

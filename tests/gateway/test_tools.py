@@ -81,7 +81,9 @@ async def realtime(base: str, **session: Any):
     client = AsyncOpenAI(
         api_key=KEY, base_url=f"{base}/v1", websocket_base_url=base.replace("http", "ws") + "/v1"
     )
-    async with client.realtime.connect(model="omni-gateway") as conn:
+    # the gateway's omni.* events too (omni.response.cancelled: the cancel's acknowledgement)
+    connect = client.realtime.connect(model="omni-gateway", extra_query={"omni_events": "on"})
+    async with connect as conn:
         events = Events(conn)
         await events.next("session.created")
         if session:
@@ -224,7 +226,8 @@ async def test_agents_sdk_realtime_agent_runs_a_function_tool(server, config) ->
     runner = RealtimeRunner(agent, config={"model_settings": settings})
     session = await runner.run(
         model_config={
-            "url": base.replace("http", "ws") + "/v1/realtime?omni_events=off",
+            # the gateway's default: OpenAI's events only, none the SDK reports as an error
+            "url": base.replace("http", "ws") + "/v1/realtime",
             "api_key": KEY,
             "initial_model_settings": settings,
         }

@@ -112,7 +112,8 @@ async def test_a_hang_up_ends_the_session_in_every_stage(server, make_speech) ->
     headers = {"Authorization": f"Bearer {KEY}"}
     async with (
         aiohttp.ClientSession(headers=headers) as http,
-        http.ws_connect(base.replace("http", "ws") + "/v1/realtime?model=x") as ws,
+        # omni_events in a base URL that a client appended its ?model= to, as pipecat does
+        http.ws_connect(base.replace("http", "ws") + "/v1/realtime?omni_events=on?model=x") as ws,
     ):
         item = {
             "type": "message",
@@ -182,7 +183,8 @@ async def test_g711_over_the_realtime_websocket(server, make_speech) -> None:
     silence = b"\xff" * 8000
     async with (
         aiohttp.ClientSession(headers=headers) as http,
-        http.ws_connect(base.replace("http", "ws") + "/v1/realtime?model=x") as ws,
+        # omni_events in a base URL that a client appended its ?model= to, as pipecat does
+        http.ws_connect(base.replace("http", "ws") + "/v1/realtime?omni_events=on?model=x") as ws,
     ):
         fmt = {"type": "audio/pcmu"}
         audio = {"input": {"format": fmt}, "output": {"format": fmt}}

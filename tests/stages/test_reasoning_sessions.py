@@ -51,7 +51,7 @@ class Dispatching(ReasoningStage):
     def sent(self) -> list[object]:
         return [msg for out in self.ends.outputs.values() for _, msg, _ in out.sent]
 
-    def _cancel(self, session, state, response, msg, stamps):
+    def _cancel(self, session, state, response, msg, stamps, prefills=None):
         self.cancelled.append(response)
         return asyncio.sleep(0)
 
@@ -188,7 +188,7 @@ class OneWordEngine:
     """Stands in for stages.backends.llm_vllm.VllmEngine: every reply is one word."""
 
     async def generate_pieces(
-        self, request_id: str, prompt, sampling=None, tools=None, template=None
+        self, request_id: str, prompt, sampling=None, tools=None, template=None, usage=None
     ):
         yield "Noon.", [1], True
 
@@ -222,9 +222,9 @@ async def test_an_early_reply_released_before_its_task_ran_is_not_held_by_the_vo
     assert any(isinstance(m, TextDelta) and m.text == "Noon." for m in sent)
 
 
-async def test_a_reply_whose_tools_cannot_be_rendered_fails_with_an_error() -> None:
+async def test_a_reply_whose_tools_cannot_be_rendered_fails_naming_the_setting() -> None:
     """A model whose chat template lists no tools and is no ChatML one: the reply with tools
-    ends failed, with an error naming the setting, and the session goes on."""
+    ends failed, its end naming the setting (no `error` of its own), and the session goes on."""
     from stages.messages import Error, ResponseDone, SessionSettings, Tool, Tools
     from stages.tasks import Tasks
 
@@ -240,6 +240,45 @@ async def test_a_reply_whose_tools_cannot_be_rendered_fails_with_an_error() -> N
     done, running = await asyncio.wait(list(stage.tasks), timeout=5)
     assert done and not running
     [finished] = [m for m in stage.sent if isinstance(m, ResponseDone)][-1:]
-    assert finished.status == "failed"
-    errors = [m.message for m in stage.sent if isinstance(m, Error)]
-    assert any("reasoning.tools.chat_template" in m for m in errors), errors
+    assert finished.status == "failed" and finished.error == "tool_template"
+    assert "reasoning.tools.chat_template" in finished.error_message
+    assert not [m for m in stage.sent if isinstance(m, Error)]
+
+
+async def test_a_reply_that_may_call_but_talks_stops_at_the_words_cap() -> None:
+    """A reply with tools gets the tools' larger token cap for a call's JSON; words stop at
+    the reply's own cap (reasoning.sampling.max_tokens, 64 here), and the request is ended."""
+    from stages.backends.tool_parsing import Words
+    from stages.messages import ResponseDone, TextDelta
+    from stages.tasks import Tasks
+
+    class Rambling:
+        closed = False
+
+        async def generate_pieces(self, request_id, prompt, sampling, tools, template, usage):
+            try:
+                for i in range(500):
+                    yield "word ", [i], False
+            finally:
+                Rambling.closed = True  # the request aborted, not left to run
+
+    class Talks:  # ToolCalls as a reply that never calls
+        calling = False
+
+        def feed(self, text, token_ids, finished):
+            return [Words(text)]
+
+        def finish(self):
+            return [], []
+
+    stage = Dispatching()
+    stage.tasks, stage.engine = Tasks(), Rambling()
+    prompt = [{"role": "user", "content": "talk"}]
+    stage._prepare = lambda session, state, options: (Talks(), prompt, None, None, None)
+    stage.give("encoder", Kind.TRANSCRIPT, Transcript(1, "talk to me", final=True))
+    done, running = await asyncio.wait(list(stage.tasks), timeout=5)
+    assert done and not running
+    deltas = [m for m in stage.sent if isinstance(m, TextDelta)]
+    assert len({d.index for d in deltas}) == 64 and Rambling.closed
+    [finished] = [m for m in stage.sent if isinstance(m, ResponseDone)][-1:]
+    assert finished.status == "completed" and finished.text == "word " * 64

@@ -120,8 +120,10 @@ async def test_call_transcripts_audio_barge_in_and_hang_up(server, page, tmp_pat
     await page.locator("summary", has_text="Settings").click()
     await page.get_by_label("API key (optional)").fill(API_KEY)
 
-    # connect: the SDP offer goes to /v1/realtime/calls with the key, a 201 answer comes back
-    async with page.expect_response(lambda r: r.url.endswith("/v1/realtime/calls")) as answer:
+    # connect: the SDP offer goes to /v1/realtime/calls with the key, asking for the gateway's
+    # own events (the page shows first audio and cancel from them); a 201 answer comes back
+    calls = "/v1/realtime/calls?omni_events=on"
+    async with page.expect_response(lambda r: r.url.endswith(calls)) as answer:
         await page.get_by_role("button", name="Connect", exact=True).click()
     offer = (await answer.value).request
     assert (await answer.value).status == 201
