@@ -112,6 +112,20 @@ def turn_hops(reports: list[dict[str, Any]], seen: list[Seen]) -> list[dict[str,
                         "first_phrase": r["phrase_ready"] - r["deltas"][0],  # its words
                         "first_audio_chunk": r["first_audio_chunk"] - r["first_phrase"],
                     }
+            if c is not None and "first_token" not in t:
+                # no final transcript for the turn (under speech-in it may come after the call
+                # ended): the reply whose voice reached the gateway last before the caller
+                # heard one is the one that answered
+                heard = [
+                    r
+                    for r in c["responses"].values()
+                    if r.get("deltas")
+                    and r.get("first_audio_at_gateway", t["first_audio_heard"] + 1)
+                    <= t["first_audio_heard"]
+                ]
+                if heard:
+                    answer = max(heard, key=lambda r: r["first_audio_at_gateway"])
+                    t["first_token"] = answer["deltas"][0]
             hops = {"turn": (t["first_audio_heard"] - t["end_of_speech"]) / 1e6}
             if "first_token" in t:  # whatever came between (a transcript, or speech-in rows)
                 hops["to_first_token"] = (t["first_token"] - t["end_of_speech"]) / 1e6

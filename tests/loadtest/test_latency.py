@@ -63,6 +63,7 @@ def test_a_turn_is_split_into_its_hops() -> None:
     assert hops == pytest.approx(
         {
             "turn": 900,
+            "to_first_token": 580,  # end of speech to the first token, whatever came between
             "vad_decision": 500,
             "encoder": 60,
             "first_token": 20,
@@ -83,6 +84,15 @@ def test_a_turn_is_split_into_its_hops() -> None:
     assert split == pytest.approx(hops["turn"])
     overhead = sum(hops[f"overhead_{h}"] for h in HOPS_NAMES)
     assert overhead == pytest.approx(hops["turn"] - hops["model"])
+
+
+def test_a_turn_whose_transcript_never_came_is_timed_to_the_reply_heard() -> None:
+    """Speech-in: the reply is made from the audio's rows, and the transcript may come after
+    the call ended; the first token is still the answering reply's."""
+    reports, records = one_turn()
+    records = [r for r in records if r.kind is not Kind.TRANSCRIPT]
+    (hops,) = turn_hops(reports, records)
+    assert hops == pytest.approx({"turn": 900, "to_first_token": 580})
 
 
 def test_load_figures_subtract_the_vad_window_and_time_tokens() -> None:
