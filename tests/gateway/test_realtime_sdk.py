@@ -352,7 +352,7 @@ async def test_keys_client_secrets_and_their_sessions(base, make_speech) -> None
         async with http.post(
             f"{base}/v1/realtime/client_secrets",
             headers={"Authorization": f"Bearer {KEY}"},
-            json={"session": {"type": "realtime", "audio": {"output": {"speed": 2.0}}}},
+            json={"session": {"type": "realtime", "audio": {"output": {"speed": "fast"}}}},
         ) as resp:
             assert resp.status == 400 and "speed" in (await resp.json())["error"]["param"]
     async with sdk(base) as client:

@@ -265,7 +265,8 @@ async def test_refused_microphone_is_explained(server, browser) -> None:
 async def test_call_without_the_key_is_refused(server, page) -> None:
     base, app = server
     await page.goto(f"{base}/")
-    async with page.expect_response(lambda r: r.url.endswith("/v1/realtime/calls")) as answer:
+    calls = "/v1/realtime/calls?omni_events=on"
+    async with page.expect_response(lambda r: r.url.endswith(calls)) as answer:
         await page.get_by_role("button", name="Connect", exact=True).click()
     assert (await answer.value).status == 401
     await expect(page.get_by_role("alert")).to_contain_text("The gateway refused the API key")
@@ -279,7 +280,7 @@ async def test_gateway_refusal_is_shown(server, page) -> None:
     """A 503 from admission control reaches the person with the gateway's reason."""
     base, _ = server
     await page.route(
-        "**/v1/realtime/calls",
+        "**/v1/realtime/calls?*",
         lambda route: route.fulfill(
             status=503,
             headers={"Retry-After": "2"},
