@@ -233,11 +233,16 @@ def _tell_client(
     if reason == "barge_in":
         replies.metrics.barge_ins.inc()
     item = reply.item  # None: a reply that had only called functions
-    if replies.outbox.transport.kind == "webrtc" and reply.audio and item is not None:
+    webrtc = replies.outbox.transport.kind == "webrtc"
+    if webrtc and reply.audio and item is not None:
         replies.outbox.output_buffer_cleared(reply.response_id or "")
     if item is not None:
         item.content[0]["transcript" if reply.audio else "text"] = heard
-        if reply.audio and reply.samples:
+        if webrtc and reply.audio and reply.samples:
+            # as OpenAI does: over WebRTC the gateway played the audio and truncates the item
+            # itself; a WebSocket client played it, and truncates it with what it heard (the
+            # history holds the gateway's estimate until then), so it gets no truncation it
+            # did not ask for
             replies.outbox.item_truncated(item.id, heard_samples * 1000 // replies.vocoder_rate)
     if reply.in_progress:
         replies.end_calls(reply)  # a call half made, or an MCP call whose answer is dropped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from typing import Any
 
 import numpy as np
@@ -510,6 +511,27 @@ def test_a_barge_in_tells_the_client_of_the_speech_before_what_it_did_to_the_rep
     started = types.index("input_audio_buffer.speech_started")
     assert started < types.index("conversation.item.truncated")
     assert started < types.index("response.done")
+
+
+def test_a_websocket_client_gets_no_truncation_it_did_not_ask_for() -> None:
+    """Over a WebSocket the client played the audio and truncates the item itself (pipecat,
+    LiveKit): a barge-in cancels the reply and leaves the truncation to it, so its own
+    truncate is answered by the one conversation.item.truncated."""
+    from stages.messages import Phrase, ResponseStarted
+
+    b = Bound()  # a WebSocket transport
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    b.stage("vocoder", Kind.PHRASE, Phrase("resp_1", "One two three", 22050, 0))
+    b.audio(22050)
+    stop.cut(b.session.replies, b.session.cancels, "barge_in", b.session.log)
+    types = [e["type"] for e in b.transport.events]
+    assert "response.done" in types and "conversation.item.truncated" not in types
+    (done,) = [e for e in b.transport.events if e["type"] == "response.done"]
+    item_id = done["response"]["output"][0]["id"]
+    truncate = {"type": "conversation.item.truncate", "item_id": item_id, "audio_end_ms": 400}
+    b.session.on_client_message(json.dumps(truncate))
+    truncated = [e for e in b.transport.events if e["type"] == "conversation.item.truncated"]
+    assert [t["audio_end_ms"] for t in truncated] == [400]
 
 
 BIG_APPENDS = """
