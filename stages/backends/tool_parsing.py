@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+_JSON = json.JSONDecoder()
+
+
 @dataclass(frozen=True)
 class Words:
     """Text the reply says (content, spoken)."""
@@ -129,6 +132,9 @@ class ToolCalls:
             self.request = self._parser.adjust_request(request)
         self._calls: list[dict[str, str]] = []  # by index: call_id, name, arguments
         self._announced: set[int] = set()  # indexes whose CallStarted went out
+        # the one call a reply must make is written whole: what the model writes after its
+        # JSON (a model that does not stop, or sampling that ignores its end) is no part of it
+        self.whole = False
 
     @property
     def calling(self) -> bool:
@@ -189,9 +195,20 @@ class ToolCalls:
             )
             self._announced.add(0)
             pieces.append(CallStarted(0, self._calls[0]["call_id"], self.only.name))
-        if text:
+        if text and not self.whole:
+            before = self._calls[0]["arguments"]
+            written = before + text
+            start = len(written) - len(written.lstrip())
+            try:
+                _, end = _JSON.raw_decode(written, start)
+            except ValueError:  # not whole yet
+                pass
+            else:
+                self.whole = True
+                text = written[len(before) : end]
             self._calls[0]["arguments"] += text
-            pieces.append(CallArguments(0, text))
+            if text:
+                pieces.append(CallArguments(0, text))
         return pieces
 
     def _call_delta(self, call: Any) -> list[Piece]:

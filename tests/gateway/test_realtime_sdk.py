@@ -9,8 +9,12 @@ import asyncio
 import base64
 import io
 import json
+import os
+import subprocess
+import sys
 import time
 import wave
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,6 +25,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from openai import AsyncOpenAI
 
 from gateway.client import Microphone, RealtimeCall, typed_event
+from loadtest.tools_bench import WEATHER
 from tests.gateway.sdk_events import Events, decode_audio, pcm24k_b64, text_turn
 from tests.serving import tiny_call_config
 
@@ -509,3 +514,104 @@ async def test_sdk_webrtc_call_with_its_session(base) -> None:
         assert created["session"]["instructions"] == "Speak like a robot."
     finally:
         await pc.close()
+
+
+PIPECAT_1_3 = Path(__file__).parents[2] / ".venv" / "clients" / "pipecat-1.3.0"
+# pipecat's own parser over every event: the types it refuses, and why (one line each)
+PIPECAT_PARSE = """
+import json, sys
+from pipecat.services.openai.realtime.events import parse_server_event
+for line in sys.stdin:
+    try:
+        parse_server_event(line)
+    except Exception as exc:
+        print(json.loads(line)["type"], str(exc).splitlines()[0][:200])
+"""
+
+
+def pipecat_refuses(events: list[str]) -> list[str]:
+    """The events pipecat 1.3.0's parser refuses (it stops the session at the first)."""
+    assert (PIPECAT_1_3 / "pipecat").is_dir(), "scripts/setup.sh --test installs it"
+    done = subprocess.run(
+        [sys.executable, "-c", PIPECAT_PARSE],
+        input="\n".join(events) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(PIPECAT_1_3)},
+        check=True,
+    )
+    return done.stdout.splitlines()
+
+
+async def test_pipecat_1_3_reads_every_event_of_a_session(base, make_speech) -> None:
+    """pipecat 1.3.0 (what aiewf-eval pins) refuses any event type it does not know and any
+    field of the wrong shape. A session as it drives one: LiveKit's default voice, a tool
+    call and its output, a spoken answer, a barge-in over a long reply, the next turn."""
+    from gateway import events as ev
+    from gateway.session.replies import failed
+
+    speech = make_speech("what is the weather like today in paris")
+    raw: list[str] = []
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = base.replace("http", "ws") + "/v1/realtime?model=gpt-realtime"
+    async with aiohttp.ClientSession(headers=headers) as http, http.ws_connect(url) as ws:
+
+        async def until(kind: str, timeout: float = 60) -> dict[str, Any]:
+            async with asyncio.timeout(timeout):
+                async for msg in ws:
+                    raw.append(msg.data)
+                    event = json.loads(msg.data)
+                    if event["type"] == kind:
+                        return event
+            raise AssertionError(f"the session ended before {kind}")
+
+        async def say(event: dict[str, Any]) -> None:
+            await ws.send_json(event)
+
+        await until("session.created")
+        tools = [WEATHER]
+        voice = {"output": {"voice": "marin"}}
+        await say(
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "tools": tools, "audio": voice},
+            }
+        )
+        await until("session.updated")
+        text = {"type": "input_text", "text": "What is the weather in Paris?"}
+        await say(
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": [text]},
+            }
+        )
+        await say({"type": "response.create", "response": {"tool_choice": "required"}})
+        called = (await until("response.done"))["response"]["output"][0]
+        assert called["type"] == "function_call", called
+        output = {"type": "function_call_output", "call_id": called["call_id"], "output": "Sunny."}
+        await say({"type": "conversation.item.create", "item": output})
+        await say({"type": "response.create"})
+        assert (await until("response.done"))["response"]["status"] == "completed"
+        # a long reply, and the caller speaks over it
+        await say({"type": "response.create", "response": {"max_output_tokens": 400}})
+        await until("response.output_audio.delta")
+        for chunk in pcm24k_b64(np.concatenate([speech.pcm16, np.zeros(16000, np.int16)])):
+            await say({"type": "input_audio_buffer.append", "audio": chunk})
+        cut = await until("response.done")
+        assert cut["response"]["status"] == "cancelled", cut
+        assert (await until("response.done"))["response"]["status"] == "completed"
+
+    types = {json.loads(e)["type"] for e in raw}
+    assert {"input_audio_buffer.speech_started", "response.function_call_arguments.done"} <= types
+    assert "error" not in types  # pipecat stops the session at one
+    # a failed reply's end, as the session writes it
+    failed_reply = ev.event(
+        "response.done",
+        response=ev.response_obj(
+            "resp_f", "failed", status_details=failed("generation_failed"), usage=ev.usage()
+        ),
+    )
+    assert pipecat_refuses([*raw, json.dumps(failed_reply)]) == []
+    # and the parser is strict: the gateway's own events, which a client must ask for
+    assert pipecat_refuses([json.dumps({"type": "omni.response.first_audio", "event_id": "e"})])

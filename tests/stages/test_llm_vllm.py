@@ -438,6 +438,25 @@ async def test_a_random_model_makes_schema_valid_calls_when_they_are_required(
     await _assert_idle(engine)
 
 
+def test_the_one_call_a_reply_must_make_ends_with_its_json(engine: VllmEngine) -> None:
+    """A model that goes on after the call's JSON (random weights; sampling that ignores its
+    end): what follows is no part of the call, and the call is whole, so the reply stops."""
+    tokenizer = engine.tokenizer
+    calls = ToolCalls(
+        Tools([WEATHER], "required"), MESSAGES, parser_class("hermes", tokenizer), tokenizer
+    )
+    pieces = []
+    for text in ('{"city": "Par', 'is", "days": ', '1}\r garbage "}', " more", "}"):
+        assert not calls.whole
+        pieces += calls.feed(text, [0])
+        if calls.whole:
+            break
+    streamed = "".join(p.delta for p in pieces if isinstance(p, CallArguments))
+    assert streamed == '{"city": "Paris", "days": 1}' and calls.whole
+    good, bad = calls.finish()
+    assert [json.loads(c.arguments) for c in good] == [{"city": "Paris", "days": 1}] and not bad
+
+
 def test_calls_the_model_got_wrong_are_reported_not_made(engine: VllmEngine) -> None:
     """The hermes parser on written output: words before a call are words; a call of no such
     tool, one cut off mid-arguments and a second one with parallel calls off are bad."""
