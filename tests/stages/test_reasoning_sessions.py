@@ -263,7 +263,7 @@ async def test_a_reply_that_may_call_but_talks_stops_at_the_words_cap() -> None:
                 Rambling.closed = True  # the request aborted, not left to run
 
     class Talks:  # ToolCalls as a reply that never calls
-        calling = False
+        calling = whole = False
 
         def feed(self, text, token_ids, finished):
             return [Words(text)]
