@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.fields import ProtocolError
 from gateway.protocol import SessionConfig
-from stages.config import TINY_CHAT_MODEL, ReasoningConfig
+from stages.config import TINY_CHAT_MODEL, TINY_OMNI, TINY_ULTRAVOX, ReasoningConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,17 +87,20 @@ class PromptLimit:
 
 
 def model_folder(reasoning: ReasoningConfig) -> Path | None:
-    """The reasoning model's local folder (its tokenizer's), or None for a hub id."""
-    if reasoning.speech_in is not None:
-        from stages.speech_in import speech_in_model
-
-        model = speech_in_model(reasoning)
-        assert model is not None
-        return model.folder
+    """The reasoning model's local folder (its tokenizer's), or None for a hub id: nothing is
+    fetched here, on the gateway's event loop."""
     if reasoning.model == TINY_CHAT_MODEL:
         from stages.backends.tiny_chat_model import ensure_tiny_chat_model
 
         return ensure_tiny_chat_model()  # built by the reasoning stage already
+    if reasoning.model == TINY_OMNI:
+        from stages.backends.tiny_speech_in import ensure_tiny_omni
+
+        return ensure_tiny_omni()
+    if reasoning.model == TINY_ULTRAVOX:
+        from stages.backends.tiny_speech_in import ensure_tiny_ultravox
+
+        return ensure_tiny_ultravox()
     from stages.backends import bundled
 
     path = Path(bundled.resolve(reasoning.model)).expanduser()

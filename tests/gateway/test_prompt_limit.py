@@ -54,3 +54,14 @@ def test_tools_count_against_the_context_too() -> None:
 
 def test_a_model_not_on_this_machine_is_not_checked() -> None:
     limit("someone/not-here-7b").check(session(instructions="word " * 5000))
+
+
+def test_a_speech_in_models_own_tokenizer_and_context_count() -> None:
+    from stages.config import TINY_OMNI, SpeechInConfig
+
+    reasoning = ReasoningConfig(model=TINY_OMNI, speech_in=SpeechInConfig(), sampling={})
+    checker = PromptLimit(reasoning)
+    checker.check(session(instructions="Be brief."))
+    assert checker.context is not None and checker.context > 0  # the thinker's text config's
+    with pytest.raises(ProtocolError, match="instructions and tools take"):
+        checker.check(session(instructions="word " * (checker.context + 10)))
