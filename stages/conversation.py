@@ -125,8 +125,8 @@ class ChatHistory:
             m = spoken.pop(0)
             del m["audio"]
             m["content"] = m["transcript"] or ""
-            tokens = count_tokens(self.prompt(instructions))
-        prompt = self.prompt(instructions)
+            prompt = self.prompt(instructions)
+            tokens = count_tokens(prompt)
         while tokens > budget and len(self.messages) > 1:
             # drop about as many as the excess needs (by their share of the text), then count
             excess = (tokens - budget) / tokens

@@ -370,14 +370,12 @@ class VllmEngine:
         if self._llm is None:
             raise VllmEngineError(f"engine on {self.model!r} is shut down")
         params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
-        cached = 0
-        try:
-            async for output in self._llm.generate(prompt, params, request_id):
-                cached = output.num_cached_tokens or 0
-        except (asyncio.CancelledError, GeneratorExit):
-            await self.abort(request_id)
-            raise
-        return cached
+        usage = PromptUsage()
+        steps = self._completions(prompt, params, request_id, usage)  # aborted if cancelled
+        async with contextlib.aclosing(steps) as completions:
+            async for _ in completions:
+                pass
+        return usage.cached_tokens
 
     async def generate_ids(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
