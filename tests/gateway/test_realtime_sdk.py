@@ -516,7 +516,9 @@ async def test_sdk_webrtc_call_with_its_session(base) -> None:
         await pc.close()
 
 
-PIPECAT_1_3 = Path(__file__).parents[2] / ".venv" / "clients" / "pipecat-1.3.0"
+# the 1.3.0 that aiewf-eval pins and the current 1.x, each in a folder of its own
+PIPECATS = Path(__file__).parents[2] / ".venv" / "clients"
+PIPECAT_VERSIONS = ("1.3.0", "1.14.0")
 # pipecat's own parser over every event: the types it refuses, and why (one line each)
 PIPECAT_PARSE = """
 import json, sys
@@ -529,25 +531,27 @@ for line in sys.stdin:
 """
 
 
-def pipecat_refuses(events: list[str]) -> list[str]:
-    """The events pipecat 1.3.0's parser refuses (it stops the session at the first)."""
-    assert (PIPECAT_1_3 / "pipecat").is_dir(), "scripts/setup.sh --test installs it"
+def pipecat_refuses(events: list[str], version: str) -> list[str]:
+    """The events pipecat's parser refuses (it stops the session at the first)."""
+    folder = PIPECATS / f"pipecat-{version}"
+    assert (folder / "pipecat").is_dir(), "scripts/setup.sh --test installs it"
     done = subprocess.run(
         [sys.executable, "-c", PIPECAT_PARSE],
         input="\n".join(events) + "\n",
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(PIPECAT_1_3)},
+        env={**os.environ, "PYTHONPATH": str(folder)},
         check=True,
     )
     return done.stdout.splitlines()
 
 
-async def test_pipecat_1_3_reads_every_event_of_a_session(base, make_speech) -> None:
-    """pipecat 1.3.0 (what aiewf-eval pins) refuses any event type it does not know and any
-    field of the wrong shape. A session as it drives one: LiveKit's default voice, a tool
-    call and its output, a spoken answer, a barge-in over a long reply, the next turn."""
+async def test_pipecat_reads_every_event_of_a_session(base, make_speech) -> None:
+    """pipecat's parser (1.3.0, what aiewf-eval pins, and the current 1.x) refuses any field of
+    the wrong shape, and 1.3.0's any event type it does not know. A session as it drives one:
+    LiveKit's default voice, a tool call and its output, a spoken answer, a barge-in over a
+    long reply, the next turn."""
     from gateway import events as ev
     from gateway.session.replies import failed
 
@@ -612,6 +616,9 @@ async def test_pipecat_1_3_reads_every_event_of_a_session(base, make_speech) -> 
             "resp_f", "failed", status_details=failed("generation_failed"), usage=ev.usage()
         ),
     )
-    assert pipecat_refuses([*raw, json.dumps(failed_reply)]) == []
-    # and the parser is strict: the gateway's own events, which a client must ask for
-    assert pipecat_refuses([json.dumps({"type": "omni.response.first_audio", "event_id": "e"})])
+    vendor = json.dumps({"type": "omni.response.first_audio", "event_id": "e"})
+    for version in PIPECAT_VERSIONS:
+        assert pipecat_refuses([*raw, json.dumps(failed_reply)], version) == [], version
+    # and 1.3.0's parser is strict (1.14's passes unknown types over): the gateway's own
+    # events, which a client must ask for, would stop its session
+    assert pipecat_refuses([vendor], "1.3.0")
