@@ -188,6 +188,12 @@ def item_truncate(session: Session, data: dict[str, Any], event_id: str | None) 
         # truncation and its cancel carries the heard text to the reasoning stage
         stop.cut(session.replies, session.cancels, "client_truncate", session.log, played)
         return
+    if tracker.truncated_at is not None and played >= tracker.truncated_at:
+        # cut already, where the gateway stopped playing it (WebRTC), or by an earlier
+        # truncate: the truncation that stands answers this one
+        session.outbox.item_truncated(item.id, tracker.truncated_at * 1000 // rate)
+        return
+    tracker.truncated_at = played
     content = item.content[0]
     content["transcript"] = tracker.heard(played, content.get("transcript"))
     session.sync_history()

@@ -51,6 +51,7 @@ class SpokenTracker:
 
     phrases: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, text)
     samples: int = 0
+    truncated_at: int | None = None  # samples the item was cut to (conversation.item.truncated)
 
     def phrase(self, text: str) -> None:
         self.phrases.append((self.samples, self.samples, text))

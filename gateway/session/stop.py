@@ -243,6 +243,7 @@ def _tell_client(
             # itself; a WebSocket client played it, and truncates it with what it heard (the
             # history holds the gateway's estimate until then), so it gets no truncation it
             # did not ask for
+            reply.tracker.truncated_at = heard_samples
             replies.outbox.item_truncated(item.id, heard_samples * 1000 // replies.vocoder_rate)
     if reply.in_progress:
         replies.end_calls(reply)  # a call half made, or an MCP call whose answer is dropped

@@ -534,6 +534,44 @@ def test_a_websocket_client_gets_no_truncation_it_did_not_ask_for() -> None:
     assert [t["audio_end_ms"] for t in truncated] == [400]
 
 
+def test_a_clients_truncate_after_the_gateways_own_is_answered_once_and_cuts_no_further() -> None:
+    """Over WebRTC the gateway played the audio and truncates the item itself at a barge-in,
+    as OpenAI does. A client that truncates too (at what it estimates it heard, often later)
+    gets its truncate answered with the truncation that stands, not a second, longer one; one
+    that truncates earlier cuts the item further."""
+    from stages.messages import Phrase, ResponseStarted
+
+    b = Bound()
+    b.transport.kind = "webrtc"
+    b.stage("reasoning", Kind.RESPONSE_STARTED, ResponseStarted("resp_1", 1))
+    b.stage("vocoder", Kind.PHRASE, Phrase("resp_1", "One two three four", 22050, 0))
+    b.audio(22050)  # a second made; the caller heard what the transport played
+    stop.cut(b.session.replies, b.session.cancels, "barge_in", b.session.log, 11025)
+
+    def truncated() -> list[int]:
+        return [
+            e["audio_end_ms"]
+            for e in b.transport.events
+            if e["type"] == "conversation.item.truncated"
+        ]
+
+    assert truncated() == [500]
+    (done,) = [e for e in b.transport.events if e["type"] == "response.done"]
+    item_id = done["response"]["output"][0]["id"]
+
+    def truncate(end_ms: int) -> None:
+        event = {"type": "conversation.item.truncate", "item_id": item_id, "audio_end_ms": end_ms}
+        b.session.on_client_message(json.dumps(event))
+
+    truncate(900)  # later than the gateway's: the audio past 500 ms was never played
+    assert truncated() == [500, 500]
+    assert not [e for e in b.transport.events if e["type"] == "error"]
+    truncate(300)  # earlier: the item is cut there
+    assert truncated() == [500, 500, 300]
+    item = b.session.items.get(item_id)
+    assert item.content[0]["transcript"] == "One"  # 0.3 of its four words
+
+
 BIG_APPENDS = """
 import asyncio, base64, gc, json, sys
 import numpy as np
