@@ -421,9 +421,10 @@ def parse_response_create(value: Any, session: SessionConfig) -> ResponseParams:
         tokens = _max_tokens(tokens, "response.max_output_tokens")
     modalities = value.get("output_modalities")
     return ResponseParams(
+        # null is absent, as in OpenAI's API (LiveKit Agents sends `instructions: null`)
         instructions=(
             text_field(value["instructions"], "response.instructions")
-            if "instructions" in value
+            if value.get("instructions") is not None
             else None
         ),
         audio=(

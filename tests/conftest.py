@@ -149,6 +149,7 @@ SHARING_STAGES = (
     (  # tests.serving.tiny_call_config
         "gateway/test_call_e2e.py",
         "gateway/test_realtime_sdk.py",
+        "gateway/test_livekit_agents.py",
         "gateway/test_twilio.py",
         "web/test_demo_page.py",
         "web/test_agents_sdk.py",

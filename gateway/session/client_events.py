@@ -217,7 +217,11 @@ def response_cancel(session: Session, data: dict[str, Any], event_id: str | None
     wanted = data.get("response_id")
     reply = session.reply
     if reply is None or not reply.in_progress:
-        raise ProtocolError("there is no response in progress", code="response_cancel_not_active")
+        # OpenAI's words: clients match them (LiveKit Agents ignores "Cancellation failed"
+        # errors, which a cancel racing a reply's end gets)
+        raise ProtocolError(
+            "Cancellation failed: no active response found", code="response_cancel_not_active"
+        )
     if wanted is not None and wanted != reply.response_id:
         raise ProtocolError(
             f"response {wanted!r} is not in progress", param="response_id", code="not_found"
