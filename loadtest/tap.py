@@ -27,6 +27,7 @@ class Seen:
     t_ns: int  # the record's stamp: when the stage pushed it
     msg: Any  # None for audio
     cancel_sent_ns: int | None = None
+    nbytes: int = 0  # of audio: its PCM16's length
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Tap:
 
         def observe(event: Any) -> None:
             call_id, sent = self.gateway.whose(event)
-            msg = None if event.kind in (Kind.AUDIO_OUT,) else event.msg
+            audio = event.kind is Kind.AUDIO_OUT
             self.seen.append(
                 Seen(
                     time.monotonic_ns(),
@@ -59,8 +60,9 @@ class Tap:
                     event.src,
                     event.kind,
                     event.t_ns,
-                    msg,
+                    None if audio else event.msg,
                     sent,
+                    len(event.msg) if audio else 0,
                 )
             )
             if event.kind is Kind.RESPONSE_DONE and event.msg.response_id in self._waiters:

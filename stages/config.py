@@ -325,6 +325,15 @@ class VocoderConfig(TorchStageConfig):
         description="start speaking after this many words when no phrase boundary came yet",
     )
     max_phrase_words: int = Field(20, ge=2, le=200)
+    early_phrase_ms: int = Field(
+        600,
+        ge=0,
+        le=10_000,
+        description="when a reply's audio ahead of playback falls under this and its next "
+        "phrase is not complete, the words written so far are spoken (stages.phrases."
+        "EarlyPhrase), so the voice does not stop mid-sentence waiting for a clause to end; "
+        "0: phrases end only at punctuation or max_phrase_words",
+    )
     replicas: int = Field(
         1,
         ge=1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 # A phrase ends at sentence or clause punctuation followed by whitespace, or at full-width
 # punctuation (Chinese, Japanese), which no space follows.
@@ -37,6 +38,17 @@ class PhraseSplitter:
             phrases.append(phrase)
         return phrases
 
+    def take_words(self, at_least: int) -> str | None:
+        """The whole words held so far, as a phrase, if there are `at_least` of them (the
+        last word may still be growing, and stays)."""
+        words = list(re.finditer(r"\S+\s+", self._buffer))
+        if len(words) < max(at_least, 1):
+            return None
+        cut = words[-1].end()
+        phrase, self._buffer = self._buffer[:cut].strip(), self._buffer[cut:]
+        self._emitted += 1
+        return phrase
+
     def flush(self) -> str | None:
         """What is left at the end of the reply."""
         rest, self._buffer = self._buffer.strip(), ""
@@ -69,3 +81,25 @@ class PhraseSplitter:
         end = start + chars
         space = self._buffer.rfind(" ", start, end)
         return space + 1 if space > start else end
+
+
+@dataclass(frozen=True)
+class EarlyPhrase:
+    """When a reply's next phrase is spoken before its clause ends.
+
+    A clause of fifteen words takes the model longer to write, and the voice longer to make,
+    than the four words before it take to play: waiting for its comma, the caller hears the
+    agent stop mid-sentence. So once the audio made ahead of the caller's playback is under
+    `low_water_s` (about what the voice needs to make a short phrase on a busy machine) and no
+    phrase is waiting, the whole words written so far go to the voice, if there are
+    `min_words` of them. A low water of 0 turns this off.
+    """
+
+    low_water_s: float
+    min_words: int = 2
+
+    def wait_s(self, lead_s: float) -> float | None:
+        """How long until the words so far are due to be spoken (0: now); None: never."""
+        if self.low_water_s <= 0:
+            return None
+        return max(0.0, lead_s - self.low_water_s)

@@ -42,7 +42,7 @@ from stages.messages import (
     TextDelta,
 )
 from stages.passlog import LatencyLog, PassLog
-from stages.phrases import PhraseSplitter
+from stages.phrases import EarlyPhrase, PhraseSplitter
 from stages.prepared import HeldBack
 from stages.rings import GATEWAY
 from stages.stage import QueuedStage
@@ -158,6 +158,7 @@ class VocoderStage(QueuedStage):
         t0 = time.monotonic()
         self.voice = load_voice(self.config.vocoder)
         self.replies: dict[int, SpokenReply] = {}
+        self.early = EarlyPhrase(self.config.vocoder.early_phrase_ms / 1000)
         self.batching: BatchingVoice | None = (
             self.voice if hasattr(self.voice, "advance") else None  # type: ignore[assignment]
         )
@@ -303,6 +304,7 @@ class VocoderStage(QueuedStage):
             if not reply.holding and not reply.has_audio_to_make and reply.done_status is not None:
                 del self.replies[session]
                 self._to_gateway(session, reply, AudioDone(reply.response_id, reply.done_status))
+        wake = self._speak_early(now, rate)
         ready: list[tuple[float, int, SpokenReply]] = []
         for session, reply in self.replies.items():
             lead = reply.lead_s(now, rate)
@@ -310,12 +312,12 @@ class VocoderStage(QueuedStage):
             if reply.has_audio_to_make and not (reply.holding and lead >= max_lead):
                 ready.append((lead, session, reply))
         if not ready:
-            return None
+            return wake
         # ties (replies not started, or unpaced) go to the one with the least audio made
         ready.sort(key=lambda t: (t[0], t[2].samples))
         lead = ready[0][0]
         if lead >= max_lead:
-            return lead - max_lead
+            return min(lead - max_lead, wake if wake is not None else max_lead)
         if self.batching is not None:
             group = [(s, r) for lead, s, r in ready if lead < max_lead]
             self._speak_together(group[: self.config.vocoder.batch])
@@ -326,6 +328,25 @@ class VocoderStage(QueuedStage):
         except Exception as exc:  # this reply is lost; the other sessions' go on
             self._failed([session], exc)
         return 0.0
+
+    def _speak_early(self, now: float, rate: int) -> float | None:
+        """Give the voice the words written so far of each playing reply about to fall silent
+        while its clause goes on (EarlyPhrase); how long until the next one may be."""
+        wake: float | None = None
+        for reply in self.replies.values():
+            playing = reply.started is not None and reply.paced and not reply.holding
+            if not playing or reply.has_audio_to_make or reply.done_status is not None:
+                continue
+            wait = self.early.wait_s(reply.lead_s(now, rate))
+            if wait is None:
+                continue
+            if wait == 0:
+                phrase = reply.splitter.take_words(self.early.min_words)
+                if phrase is not None:
+                    reply.pending.append((phrase, time.monotonic_ns()))
+                continue  # too few words yet: the next text delta wakes the loop
+            wake = wait if wake is None else min(wake, wait)
+        return wake
 
     def _failed(self, sessions: list[int], exc: Exception) -> None:
         logger.exception("vocoder: speaking for session(s) %s failed", sessions)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stages.phrases import CHARS_PER_WORD, PhraseSplitter
+from stages.phrases import CHARS_PER_WORD, EarlyPhrase, PhraseSplitter
 
 
 def spoken(splitter: PhraseSplitter, deltas: list[str]) -> list[str]:
@@ -60,3 +60,19 @@ def test_a_boundary_past_the_length_limit_does_not_make_a_long_phrase() -> None:
     # a released early reply's text comes as one delta
     phrases = PhraseSplitter(first_words=2).feed("一二三四五六七八九十一二三四五六，好。")
     assert phrases == ["一二三四五六七八九十一二", "三四五六，", "好。"]
+
+
+def test_the_words_so_far_are_taken_whole_and_the_growing_one_stays() -> None:
+    splitter = PhraseSplitter(first_words=2, max_words=20)
+    assert splitter.feed("The sky is blue because of a pro") == ["The sky"]
+    assert splitter.take_words(at_least=8) is None  # five whole words: too few
+    assert splitter.take_words(at_least=2) == "is blue because of a"
+    assert splitter.feed("cess called scattering. Yes") == ["process called scattering."]
+    assert splitter.flush() == "Yes"
+
+
+def test_early_phrases_are_due_once_the_lead_is_under_the_low_water() -> None:
+    early = EarlyPhrase(low_water_s=0.6)
+    assert early.wait_s(2.0) == 1.4
+    assert early.wait_s(0.5) == 0.0
+    assert EarlyPhrase(low_water_s=0).wait_s(0.0) is None  # off

@@ -36,10 +36,11 @@ SESSION, EPOCH, REPLY = 3, 1, "resp_3_1"
 class Noted(VocoderStage):
     """Notes its records for the gateway (ring ends stand-ins: stage_events.recording_ends)."""
 
-    def __init__(self, max_lead_ms: int = 2000) -> None:
+    def __init__(self, max_lead_ms: int = 2000, early_phrase_ms: int = 600) -> None:
         # espeak: the voice in its wheel, quick to load
+        vocoder = {"backend": "espeak", "max_lead_ms": max_lead_ms}
         config = PipelineConfig.model_validate(
-            {"vocoder": {"backend": "espeak", "max_lead_ms": max_lead_ms}}
+            {"vocoder": vocoder | {"early_phrase_ms": early_phrase_ms}}
         )
         super().__init__(config, recording_ends("vocoder", Epochs(EPOCH)), threading.Event())
         self.gateway = self.ends.outputs["gateway"]
@@ -75,8 +76,10 @@ class Noted(VocoderStage):
         self.deliver(self.inbound(msg, epoch))
 
     def pump_until_idle(self) -> None:
+        """Until nothing is left to make now (a playing reply may wait for its next words)."""
         for _ in range(1000):  # a short reply: a few chunks
-            if self.pump() is None:
+            wait = self.pump()
+            if wait is None or wait > 0:
                 return
         raise AssertionError("the vocoder never ran out of work")
 
@@ -288,3 +291,25 @@ def test_each_replys_first_audio_is_timed_from_its_first_phrase(
         kinds.add(found[1])
         assert 0 < float(found[2]) <= took_ms
     assert kinds == {"replies made at the pause", "other replies"}
+
+
+@pytest.mark.parametrize("early_phrase_ms", [600, 0])
+def test_a_playing_reply_about_to_fall_silent_speaks_the_words_so_far(early_phrase_ms) -> None:
+    """The clause after the first phrase is long and still being written: once the audio
+    ahead of playback is under the low water, its words so far go to the voice rather than
+    the caller hearing the agent stop mid-sentence (unless early phrases are off)."""
+    stage = Noted(early_phrase_ms=early_phrase_ms)
+    stage.give(ResponseStarted(REPLY, 1))
+    stage.give(TextDelta(REPLY, "The sky is blue because of a process that ", 0))
+    stage.pump_until_idle()  # the first phrase, made
+    reply = stage.replies[SESSION]
+    assert [r.text for r in stage.sent if isinstance(r, Phrase)] == ["The sky is blue"]
+    # played until under the low water: its start moved back by what has played
+    made_s = reply.samples / stage.voice.sample_rate
+    reply.started = time.monotonic() - made_s + 0.3
+    assert stage.pump() is None or not reply.pending
+    phrases = [r.text for r in stage.sent if isinstance(r, Phrase)]
+    if early_phrase_ms:
+        assert phrases == ["The sky is blue", "because of a process that"]
+    else:
+        assert phrases == ["The sky is blue"] and reply.splitter.take_words(1)
