@@ -352,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": describe_machine(),
         "date": datetime.date.today().isoformat(),
-        "config": str(args.config),
+        "config": str(args.config.relative_to(ROOT))
+        if args.config.resolve().is_relative_to(ROOT)
+        else str(args.config),
         "gap_ms": args.gap_ms,
         "part": args.part,
         "busy_cores": args.busy_cores,
