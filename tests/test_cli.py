@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -232,11 +233,25 @@ def test_say_file_writes_the_spoken_reply(tmp_path: Path, make_speech) -> None:
     assert "RANDOM-WEIGHT" in out.stderr  # the log says plainly the replies are noise
 
 
+def _free_port() -> int:
+    """A free port below the kernel's ephemeral range: one from that range, free now, may be
+    taken by another socket bound to port 0 (vLLM's, aiortc's) before the gateway binds it,
+    half a minute later."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    below = range(10_000, max(low, 10_001))
+    for port in random.sample(below, min(200, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def _start() -> tuple[subprocess.Popen[str], int]:
     """`omni-gateway start` on the tiny config and a free port, in a session of its own."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     proc = subprocess.Popen(
         [*CLI, "start", "--config", str(TINY), "--port", str(port)],
         stderr=subprocess.PIPE,

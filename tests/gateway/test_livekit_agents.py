@@ -110,7 +110,7 @@ class Events:
 
 async def consume(generation, first_audio=None):
     # what one generation carried, read as an agent's playout reads it, until it ends
-    heard = {"messages": [], "samples": 0, "sumsq": 0.0, "text": ""}
+    heard = {"messages": [], "samples": 0, "voiced": 0, "sumsq": 0.0, "text": ""}
     async for message in generation.message_stream:
         heard["messages"].append(message.message_id)
 
@@ -120,7 +120,10 @@ async def consume(generation, first_audio=None):
                 pcm = np.frombuffer(bytes(frame.data), dtype=np.int16).astype(np.float64)
                 heard["samples"] += len(pcm)
                 heard["sumsq"] += float(np.sum(pcm**2))
-                if first_audio is not None and heard["samples"] > 2400:
+                # the voice's first frames may be its leading silence: 100 ms of speech heard
+                if np.sqrt(np.mean(pcm**2)) > 300:
+                    heard["voiced"] += len(pcm)
+                if first_audio is not None and heard["voiced"] > 2400:
                     first_audio.set()
 
         async def text(stream):
