@@ -161,7 +161,7 @@ def pcm_silences_ms(pcm: np.ndarray, rate: int) -> list[int]:
     return silences_ms(list(np.sqrt((frames**2).mean(axis=1))))
 
 
-def phrase_timeline(seen: list[Any], heard_at: float, rate_of: dict[str, int]) -> list[dict]:
+def phrase_timeline(seen: list[Any], heard_at: float) -> list[dict]:
     """Each phrase of a reply: when its text was complete, when the vocoder began it, when its
     first audio reached the gateway, and how late that was against the playback of the audio
     before it (which began when the caller first heard the reply, `heard_at`)."""
@@ -170,7 +170,6 @@ def phrase_timeline(seen: list[Any], heard_at: float, rate_of: dict[str, int]) -
     phrases: list[dict[str, Any]] = []
     for s in seen:
         if s.kind is Kind.PHRASE:
-            rate_of[s.msg.response_id] = s.msg.sample_rate
             phrases.append(
                 {
                     "text": s.msg.text,
@@ -234,7 +233,7 @@ async def ask(
             "said": said,
             "status": done["response"]["status"],
             "silences_ms": silences_ms(levels),
-            "phrases": phrase_timeline(seen, heard_at, {}),
+            "phrases": phrase_timeline(seen, heard_at),
         }
     finally:
         await call.close()
