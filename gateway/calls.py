@@ -268,6 +268,7 @@ class Gateway:
             tools=gw.tools,
             speech_in=self.config.reasoning.speech_in is not None,
             prompt_limit=self.prompt_limit,
+            echo_cancel=gw.media.echo_cancel,
         )
         self.calls[call.call_id] = call
         self.admission.admit(call.call_id, holder)

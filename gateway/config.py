@@ -407,6 +407,28 @@ class TelephonyConfig(Strict):
     )
 
 
+class EchoCancelConfig(Strict):
+    """The caller's audio through WebRTC's echo canceller (AEC3), noise suppressor and
+    high-pass filter before the VAD hears it (gateway.echo): for a caller on a speakerphone
+    or a car kit, whose microphone hears the agent. On by default for phone calls, which have
+    no canceller on the gateway's side of the line; browsers cancel their own echo. A session's
+    `audio.input.noise_reduction` overrides its transport's default: `far_field` turns it on,
+    `near_field` keeps only the noise suppressor (docs/realtime.md)."""
+
+    phone: bool = Field(True, description="phone calls (Twilio Media Streams)")
+    webrtc: bool = Field(
+        False, description="WebRTC calls (a browser's own echo canceller is on by default)"
+    )
+    websocket: bool = Field(
+        False,
+        description="Realtime WebSocket sessions: the caller's audio must come as it is "
+        "spoken (a live microphone), since the echo is found by the time it arrives",
+    )
+    noise_suppression: bool = Field(
+        True, description="WebRTC's noise suppressor beside the canceller, where it is on"
+    )
+
+
 class MediaConfig(Strict):
     """How a gateway process carries its calls' audio: aiortc's jitter buffer and sockets, and
     the event loop that every call on the process shares."""
@@ -438,6 +460,10 @@ class MediaConfig(Strict):
         ge=5,
         description="when set, log the event loop's stack each time it is held this long "
         "(every call's audio waits while it is): what to fix, caught in the act",
+    )
+    echo_cancel: EchoCancelConfig = Field(
+        default_factory=EchoCancelConfig,
+        description="the agent's echo taken out of the caller's audio, by transport",
     )
 
 

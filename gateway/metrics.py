@@ -143,6 +143,17 @@ class GatewayMetrics:
             "start and were kept for it",
             registry=r,
         )
+        self.agent_holds = Counter(
+            "omni_agent_holds",
+            "Times the agent's audio was held at a voice over it, until the VAD judged it "
+            "(gateway.turns.interruptions.hold_on_voice): its own echo, if it hears that",
+            registry=r,
+        )
+        self.echo_cancel_seconds = Counter(
+            "omni_echo_cancel_seconds",
+            "Time spent in the echo canceller (gateway.echo, on its own thread), all calls",
+            registry=r,
+        )
         self.vad_events = Counter(
             "omni_vad_events", "Speech starts and stops", ["event"], registry=r
         )

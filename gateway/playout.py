@@ -40,7 +40,10 @@ class PlayoutTrack(MediaStreamTrack):
       response is done (or enqueue a mark after the last chunk);
     - `on_mark(mark)`: the last sample of the chunk enqueued with `mark` went out;
     - `on_interval(s)`: seconds since the previous frame was handed over (for gap metrics;
-      called before the frame is made).
+      called before the frame is made);
+    - `on_played(pcm, at)`: a frame with audio went out; `at` is its time on the playout
+      clock (the loop's, time.monotonic()), which the caller hears it by: the echo
+      canceller's far end.
     `clear()` fires none of them: the caller knows it cleared, and dropped marks are discarded.
     Not thread-safe: enqueue from the event loop (the ring reader threads hop over with
     `loop.call_soon_threadsafe`).
@@ -55,6 +58,7 @@ class PlayoutTrack(MediaStreamTrack):
         on_stopped: Callable[[], None] | None = None,
         on_mark: Callable[[object], None] | None = None,
         on_interval: Callable[[float], None] | None = None,
+        on_played: Callable[[np.ndarray, float], None] | None = None,
         max_lag_s: float = 0.2,
         rate: int = PLAYOUT_RATE,
     ) -> None:
@@ -63,6 +67,7 @@ class PlayoutTrack(MediaStreamTrack):
         self.on_stopped = on_stopped
         self.on_mark = on_mark
         self.on_interval = on_interval  # seconds since the previous frame went out
+        self.on_played = on_played
         self._last_sent: float | None = None
         self.max_lag_s = max_lag_s
         self.rate = rate  # 48 kHz for aiortc's own encoder; an Opus rate for opuslib's
@@ -133,6 +138,9 @@ class PlayoutTrack(MediaStreamTrack):
         frame.pts = self._pts
         frame.time_base = self._time_base
         self._report(played, marks)
+        if played and self.on_played is not None:
+            assert self._start is not None
+            self._call(self.on_played, pcm, self._start + self._pts / self.rate)
         return frame
 
     async def _wait_for_slot(self) -> None:

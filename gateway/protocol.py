@@ -135,6 +135,24 @@ def _audio_format(
     )
 
 
+NOISE_REDUCTIONS = ("near_field", "far_field")
+
+
+def _noise_reduction(value: Any, param: str) -> str | None:
+    """`{"type": "near_field" | "far_field"}`, or null for the transport's default."""
+    if value is None:
+        return None
+    value = mapping(value, param)
+    check_keys(value, {"type"}, param)
+    kind = value.get("type")
+    if kind not in NOISE_REDUCTIONS:
+        raise ProtocolError(
+            f"{param}.type must be one of {', '.join(NOISE_REDUCTIONS)}, not {kind!r}",
+            param=f"{param}.type",
+        )
+    return str(kind)
+
+
 def format_json(kind: str, rate: int) -> dict[str, Any]:
     return {"type": kind, "rate": rate}
 
@@ -214,6 +232,10 @@ class SessionConfig:
     # the gateway's own events (omni.*) beside OpenAI's: off unless the client asks, since
     # clients that refuse event types they do not know stop at the first (docs/realtime.md)
     omni_events: bool = False
+    # audio.input.noise_reduction's type: "far_field" (a speakerphone: the agent's echo
+    # cancelled, the noise suppressed), "near_field" (a headset: the noise suppressed), or
+    # None for the transport's default (gateway.media.echo_cancel; gateway.echo)
+    noise_reduction: str | None = None
 
     @property
     def audio_out(self) -> bool:
@@ -297,8 +319,10 @@ class SessionConfig:
             self.input_format, self.input_rate = _audio_format(
                 inp["format"], f"{param}.input.format", PCM_INPUT_RATES
             )
-        if inp.get("noise_reduction") is not None:
-            mapping(inp["noise_reduction"], f"{param}.input.noise_reduction")  # taken, not built
+        if "noise_reduction" in inp:
+            self.noise_reduction = _noise_reduction(
+                inp["noise_reduction"], f"{param}.input.noise_reduction"
+            )
         if "transcription" in inp:
             t = inp["transcription"]
             if t is not None:
@@ -341,7 +365,9 @@ class SessionConfig:
                 "input": {
                     "format": format_json(self.input_format, self.input_rate),
                     "transcription": self.transcription,
-                    "noise_reduction": None,
+                    "noise_reduction": (
+                        {"type": self.noise_reduction} if self.noise_reduction else None
+                    ),
                     "turn_detection": (
                         self.turn_detection.to_json() if self.turn_detection else None
                     ),

@@ -37,6 +37,7 @@ from gateway.fields import ProtocolError
 from gateway.g711 import FRAME_BYTES, G711, RATE
 from gateway.session import RealtimeSession, Reply, client_events
 from stages.link import SessionsFull
+from stages.messages import CALLER_RATE
 from stages.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -83,7 +84,16 @@ class TwilioTransport:
         self._partial = b""  # μ-law of the current reply short of a whole frame
         self._bytes_of: dict[str, int] = {}  # bytes of each reply queued so far
         self._heard_of: dict[str, int] = {}  # ... and heard, by the marks echoed
-        self._marks: dict[str, tuple[str, int]] = {}  # mark name -> (reply, bytes heard at it)
+        # mark name -> (reply, bytes heard at it, when its audio should have played out)
+        self._marks: dict[str, tuple[str, int, float]] = {}
+        # the echo canceller's far end: what was sent, decoded as the caller hears it, placed
+        # when it plays by the send-ahead window's clock; `_behind` is how far Twilio's player
+        # has fallen behind that clock, by the marks (`_mark_floor`: a mark's least lateness,
+        # its trip back)
+        self.played_rate = CALLER_RATE
+        self._decoder = G711("audio/pcmu")
+        self._behind = 0.0
+        self._mark_floor: float | None = None
         self._generation = 0  # marks of audio a clear dropped name an older one
         self._mark_seq = 0
         self._played_until = 0.0  # when all the audio sent so far will have played
@@ -129,7 +139,10 @@ class TwilioTransport:
         self._held = False
         self._generation += 1
         self._played_until = time.monotonic()
+        self._behind = 0.0
         self.coder.reset()
+        if self.session.played is not None:
+            self.session.played.cut()
         self._write({"event": "clear", "streamSid": self.stream_sid})
 
     def heard_samples(self, reply: Reply) -> int:
@@ -166,7 +179,8 @@ class TwilioTransport:
                 await self._wake.wait()
                 continue
             now = time.monotonic()
-            self._played_until = max(self._played_until, now)
+            if self._played_until < now:  # Twilio's player ran dry: it plays on arrival
+                self._played_until, self._behind = now, 0.0
             if self._played_until - now > self.ahead_s:
                 await asyncio.sleep(self._played_until - now - self.ahead_s)
                 continue
@@ -180,6 +194,9 @@ class TwilioTransport:
             self._write(
                 {"event": "media", "streamSid": self.stream_sid, "media": {"payload": payload}}
             )
+            if self.session.played is not None:
+                pcm = self._decoder.decode(item.payload)
+                self.session.played.play_at(pcm, self._played_until + self._behind)
             self._played_until += len(item.payload) / RATE
             if sent_of[item.response_id] % MARK_FRAMES == 0:
                 self._mark(item.response_id, item.end)
@@ -187,7 +204,7 @@ class TwilioTransport:
     def _mark(self, response_id: str, heard: int, done: bool = False) -> None:
         self._mark_seq += 1
         name = f"{'done' if done else 'm'}.{self._generation}.{self._mark_seq}"
-        self._marks[name] = (response_id, heard)
+        self._marks[name] = (response_id, heard, self._played_until + self._behind)
         self._write({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}})
 
     def marked(self, name: str) -> None:
@@ -197,12 +214,24 @@ class TwilioTransport:
         entry = self._marks.pop(name, None)
         if entry is None or generation != str(self._generation):
             return  # one of audio a clear dropped: not heard
-        response_id, heard = entry
+        response_id, heard, due = entry
+        self._follow_player(due)
         self._heard_of[response_id] = max(self._heard_of.get(response_id, 0), heard)
         if kind == "done":  # heard to its end: nothing more is asked of it
             self._bytes_of.pop(response_id, None)
             self._heard_of.pop(response_id, None)
             self.session.playback_done(response_id)
+
+    def _follow_player(self, due: float) -> None:
+        """A mark came back whose audio was due to end at `due` by the send-ahead clock: its
+        lateness past the least seen is Twilio's player behind that clock, and the far end's
+        audio not yet played moves with it."""
+        late = time.monotonic() - due
+        self._mark_floor = late if self._mark_floor is None else min(self._mark_floor, late)
+        behind = late - self._mark_floor
+        if behind > self._behind + 0.02 and self.session.played is not None:
+            self.session.played.delay_from(due, behind - self._behind)
+            self._behind = behind
 
     def _write(self, message: dict[str, Any]) -> None:
         self._out.put_nowait(json.dumps(message))

@@ -46,8 +46,10 @@ class WebRTCTransport:
             on_started=self._playout_started,
             on_mark=self._played_mark,
             on_interval=sent.observe,
+            on_played=self._played,
             rate=playout_rate,
         )
+        self.played_rate = self.playout.rate
         pc.addTrack(self.playout)
         pc.on("track", self._attach_track)
         pc.on("datachannel", self._attach_channel)
@@ -149,6 +151,10 @@ class WebRTCTransport:
             return 0
         played = max(0, self.playout.played_samples - reply.playback_start)
         return played * self.session.vocoder_rate // self.playout.rate
+
+    def _played(self, pcm: np.ndarray, at: float) -> None:
+        if self.session.played is not None:
+            self.session.played.play_at(pcm, at)
 
     def _playout_started(self) -> None:
         reply = self.session.reply

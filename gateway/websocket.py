@@ -36,6 +36,7 @@ class WebSocketTransport:
         self.session = session
         self.ws = ws
         self.resampler = Upsampler(session.vocoder_rate, OUTPUT_RATE)
+        self.played_rate = session.vocoder_rate
         self._out: asyncio.Queue[str] = asyncio.Queue()
         self._writer = session.spawn(self._write(), f"ws-out-{session.call_id}")
 
@@ -61,6 +62,8 @@ class WebSocketTransport:
             if kind in G711_FORMATS:
                 self.session.intake.g711(kind).reset()
             reply.playback_start = time.monotonic()
+        if self.session.played is not None:  # the client plays it as it comes
+            self.session.played.play_next(pcm)
         if kind in G711_FORMATS:  # from the vocoder's rate straight to 8 kHz
             self._g711_delta(reply, self.session.intake.g711(kind).encode(pcm))
             return
@@ -93,6 +96,8 @@ class WebSocketTransport:
 
     def clear(self) -> None:
         self.resampler.reset()
+        if self.session.played is not None:  # the client stops as it is told
+            self.session.played.cut()
         kind = self.session.config.output_format
         if kind == OPUS:
             self.session.intake.opus.reset()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -22,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gateway import events as ev
-from gateway.config import ToolsConfig, TurnsConfig
+from gateway.config import EchoCancelConfig, ToolsConfig, TurnsConfig
 from gateway.conversation import Conversation
+from gateway.echo import AudioProcessing, EchoCanceller, PlayedAudio, audio_processing
+from gateway.echo import worker as echo_worker
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ResponseParams, SessionConfig
 from gateway.session import client_events, stop
@@ -64,6 +67,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# gateway.media.echo_cancel's key for a transport kind
+TRANSPORT_KEYS = {"twilio": "phone"}
+
 
 class CallLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """Log lines of one session carry its id and pipeline session, as text and as record
@@ -93,13 +99,15 @@ class RealtimeSession:
         tools: ToolsConfig | None = None,
         speech_in: bool = False,
         prompt_limit: PromptLimit | None = None,
+        echo_cancel: EchoCancelConfig | None = None,
     ) -> None:
         """`turns`: the gateway's turn-taking section (its defaults without one);
         `turn_models`: the process's classifier and end-of-turn model (webrtcvad and no
         semantic_vad without); `tracing`: the process's OpenTelemetry traces (gateway.tracing),
         if on; `tools`: the gateway's rules for function and MCP tools; `speech_in`: the
         reasoning model hears the turns (reasoning.speech_in), not their transcripts;
-        `prompt_limit`: instructions and tools checked against the model's context."""
+        `prompt_limit`: instructions and tools checked against the model's context;
+        `echo_cancel`: which transports' caller audio goes through the echo canceller."""
         self.call_id, self.link, self.session = call_id, link, session
         self.vocoder_rate, self.metrics, self.config = vocoder_rate, metrics, config
         self.on_closed, self.speech_in = on_closed, speech_in
@@ -162,6 +170,11 @@ class RealtimeSession:
             dispatch=lambda message: client_events.dispatch(self, message),
             refuse=lambda message: self.outbox.error(message, code="too_many_events"),
         )
+        self.echo_cancel = echo_cancel or EchoCancelConfig()
+        # the agent's audio as the caller was played it, and the canceller that takes it out
+        # of the caller's audio: set by `configure_audio` while the session wants them
+        self.played: PlayedAudio | None = None
+        self.echo: EchoCanceller | None = None
         self.deferred_create: tuple[ResponseParams, str | None] | None = None
         self._history_due = False  # edits not yet sent to the reasoning stage (sync_history)
         self.closed = asyncio.Event()
@@ -182,6 +195,27 @@ class RealtimeSession:
     def bind(self, transport: Transport) -> None:
         """Attach the transport; events sent before it existed go out now, in order."""
         self.outbox.bind(transport)
+        self.configure_audio()
+
+    def configure_audio(self) -> None:
+        """The caller's audio processing as the session's settings and transport ask
+        (gateway.echo.audio_processing); a change starts a fresh canceller."""
+        transport = self.transport
+        if transport is None:
+            return
+        default = getattr(self.echo_cancel, TRANSPORT_KEYS.get(transport.kind, transport.kind))
+        wanted = audio_processing(
+            default, self.config.noise_reduction, self.echo_cancel.noise_suppression
+        )
+        current: AudioProcessing | None = self.echo.processing if self.echo else None
+        if wanted == current:
+            return
+        if wanted is not None and wanted.echo:
+            self.played = self.played or PlayedAudio(transport.played_rate)
+        else:
+            self.played = None
+        self.echo = None if wanted is None else EchoCanceller(wanted, self.played)
+        self.log.info("caller audio processing: %s", wanted or "none")
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         return self.tasks.spawn(coro, name)
@@ -222,6 +256,28 @@ class RealtimeSession:
 
     def feed_audio(self, pcm16k: np.ndarray) -> None:
         """Caller audio, PCM16 mono 16 kHz, in pieces of any length."""
+        if self.echo is None:
+            self.turns.feed(pcm16k)
+            return
+        # through the canceller on its thread, back here in order (gateway.echo.worker)
+        canceller, loop = self.echo, asyncio.get_running_loop()
+        job = echo_worker().submit(canceller.cancel, *canceller.take(pcm16k))
+        job.add_done_callback(
+            lambda done: loop.call_soon_threadsafe(self._cancelled, done, canceller)
+        )
+
+    def _cancelled(
+        self, done: concurrent.futures.Future[np.ndarray], canceller: EchoCanceller
+    ) -> None:
+        self.metrics.echo_cancel_seconds.inc(canceller.busy_s - canceller.counted_s)
+        canceller.counted_s = canceller.busy_s
+        if self.closed.is_set():
+            return
+        try:
+            pcm16k = done.result()
+        except Exception:  # a bad frame is dropped; the call goes on
+            self.log.exception("the echo canceller failed on a frame")
+            return
         self.turns.feed(pcm16k)
 
     def on_client_message(self, message: Any) -> None:

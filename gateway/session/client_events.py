@@ -108,6 +108,7 @@ def session_update(session: Session, data: dict[str, Any], event_id: str | None)
         session.prompt_limit.check(new)
     session.config.apply(data.get("session"))
     session.turns.reconfigure(had_vad)
+    session.configure_audio()  # noise_reduction
     session.apply_settings()
     session.outbox.session_updated(session.config)
     session.tools.sync(session.config.tools)  # then mcp_list_tools.* for new MCP servers

@@ -41,6 +41,7 @@ class Interruptions:
         self.metrics, self.log = metrics, log
         self.answer, self.sync_history = answer, sync_history
         self.paused: Reply | None = None  # the reply paused under provisional turns
+        self._unsure = False  # the last frame was voiced, and not yet called speech
 
     @property
     def interrupts(self) -> bool:
@@ -72,9 +73,12 @@ class Interruptions:
         paused, until the turn is known not to be one)."""
         transport = self.outbox.transport
         if transport is not None:
-            held = self.policy.holds_while_unsure(self.interrupts, unsure)
-            held = held or self.paused is not None
-            transport.hold(held and self.replies.current is not None)
+            judged = self.policy.holds_while_unsure(self.interrupts, unsure)
+            current = self.replies.current is not None
+            if judged and current and not self._unsure:  # a voice over the agent begins
+                self.metrics.agent_holds.inc()
+            transport.hold((judged or self.paused is not None) and current)
+        self._unsure = unsure
 
     def voiced(self, turn_id: int, voiced_ms: int) -> None:
         """A provisional turn that goes on long enough is an interruption: the reply is cut

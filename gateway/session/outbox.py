@@ -21,6 +21,7 @@ class Transport(Protocol):
 
     kind: str  # "webrtc", "websocket" or "twilio"
     holds_audio: bool  # the agent's audio plays out from here: it can be paused, nothing lost
+    played_rate: int  # the rate of what it places in `session.played` (the echo's far end)
 
     def send_event(self, event: dict[str, Any]) -> None: ...
 

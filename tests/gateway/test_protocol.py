@@ -82,6 +82,7 @@ def test_semantic_vad_is_rendered_with_its_own_fields() -> None:
         ({"audio": {"input": {"turn_detection": {"idle_timeout_ms": 10}}}}, "idle_timeout_ms"),
         ({"audio": {"input": {"turn_detection": {"threshold": 2}}}}, "threshold"),
         ({"audio": {"input": {"noise_reduction": "on"}}}, "noise_reduction"),
+        ({"audio": {"input": {"noise_reduction": {"type": "loud"}}}}, "noise_reduction.type"),
         ({"tools": [{"type": "function", "name": "no spaces"}]}, "session.tools[0].name"),
         (
             {"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
@@ -156,7 +157,10 @@ def test_what_openai_takes_and_only_changes_the_sound_costs_no_update_the_rest()
         "voice": "en-us",
         "speed": 1.0,
     }
-    assert shown["audio"]["input"]["noise_reduction"] is None and shown["truncation"] == "auto"
+    assert shown["audio"]["input"]["noise_reduction"] == {"type": "near_field"}  # applied
+    assert shown["truncation"] == "auto"
+    config.apply({"audio": {"input": {"noise_reduction": None}}})
+    assert config.noise_reduction is None  # the transport's default again
 
 
 def test_pcm_input_at_16_khz_is_taken_and_shown() -> None:

@@ -1,0 +1,225 @@
+"""gateway.echo: the far end's timeline (a clock of the test's), the processing a session
+gets, and WebRTC's echo canceller on a synthetic speakerphone (the real module)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.echo import (
+    FRAME,
+    MARGIN,
+    AudioProcessing,
+    EchoCanceller,
+    PlayedAudio,
+    ResidualEcho,
+    audio_processing,
+)
+
+RATE = 16_000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tone(seconds: float, level: int = 8000) -> np.ndarray:
+    t = np.arange(int(seconds * RATE)) / RATE
+    return (level * np.sin(2 * np.pi * 440 * t)).astype(np.int16)
+
+
+def test_the_timeline_is_silence_where_nothing_played_and_the_piece_where_it_did() -> None:
+    clock = Clock()
+    played = PlayedAudio(RATE, clock)
+    start = clock.now
+    piece = tone(0.1)
+    played.play_at(piece, start + 0.05)
+    clock.now += 0.2 + MARGIN / RATE  # the far end is taken MARGIN behind the caller's audio
+    out = played.take(int(0.2 * RATE), clock.now)
+    assert len(out) == 0.2 * RATE
+    assert not out[: int(0.05 * RATE)].any()
+    np.testing.assert_array_equal(out[int(0.05 * RATE) : int(0.15 * RATE)], piece)
+    assert not out[int(0.15 * RATE) :].any()
+
+
+def test_the_far_end_keeps_step_with_the_callers_audio_not_with_its_arrival() -> None:
+    clock = Clock()
+    played = PlayedAudio(RATE, clock)
+    piece = tone(0.5)
+    played.play_at(piece, clock.now)
+    clock.now += (2 * FRAME + MARGIN) / RATE
+    parts = [played.take(2 * FRAME, clock.now)]
+    # 20 ms pieces of the caller's audio, arriving up to 60 ms late and in bursts
+    for late in (0.03, 0.0, 0.06, 0.06, 0.0, 0.01, 0.06, 0.06, 0.06, 0.02):
+        clock.now += 0.02
+        parts.append(played.take(2 * FRAME, clock.now + late))
+    np.testing.assert_array_equal(np.concatenate(parts), piece[: 22 * FRAME])
+
+
+def test_the_far_end_is_placed_again_after_a_stall_or_when_it_runs_ahead() -> None:
+    clock = Clock()
+    played = PlayedAudio(RATE, clock)
+    played.play_at(tone(2.0), clock.now)
+    played.take(2 * FRAME, clock.now)
+    clock.now += 0.5  # nothing came for half a second: the far end moves on with the clock
+    after_stall = played.take(2 * FRAME, clock.now)
+    skipped_to = int(0.5 * RATE) - 2 * FRAME - MARGIN
+    np.testing.assert_array_equal(after_stall, tone(2.0)[skipped_to : skipped_to + 2 * FRAME])
+    # the caller's audio comes faster than it is spoken: the far end is not read ahead of now
+    for _ in range(20):
+        played.take(2 * FRAME, clock.now)
+        assert played._taken <= round((clock.now - played._origin) * RATE)
+
+
+def test_a_piece_continues_the_last_and_a_gap_stays_a_gap() -> None:
+    clock = Clock()
+    played = PlayedAudio(RATE, clock)
+    a, b, c = tone(0.02, 1000), tone(0.02, 2000), tone(0.02, 3000)
+    played.play_at(a, clock.now)
+    played.play_at(b, clock.now + 0.02 + 1 / RATE)  # a sample off: rounding, no gap
+    played.play_at(c, clock.now + 0.043)  # 3 ms later than b's end: the player's gap
+    out = played.take(int(0.1 * RATE), clock.now + 0.1 + MARGIN / RATE)
+    np.testing.assert_array_equal(out[: 2 * len(a)], np.concatenate([a, b]))
+    assert not out[2 * len(a) : int(0.043 * RATE)].any()
+    np.testing.assert_array_equal(out[int(0.043 * RATE) : int(0.063 * RATE)], c)
+
+
+def test_play_next_follows_what_is_placed_and_a_cut_drops_what_has_not_played() -> None:
+    clock = Clock()
+    played = PlayedAudio(RATE, clock)
+    start = clock.now
+    first = played.play_next(tone(0.1))
+    second = played.play_next(tone(0.1))
+    assert first == pytest.approx(clock.now) and second == pytest.approx(clock.now + 0.1)
+    clock.now += 0.05
+    played.cut()
+    assert played.play_next(tone(0.02)) == pytest.approx(clock.now)  # after the cut: now
+    clock.now = start + 0.5
+    out = played.take(int(0.5 * RATE), clock.now + MARGIN / RATE)
+    voiced = np.flatnonzero(np.abs(out) > 100)
+    # 50 ms of the first, then the 20 ms piece placed after the cut, then nothing
+    assert voiced[-1] < int(0.07 * RATE)
+
+
+def test_delay_from_moves_what_had_not_begun() -> None:
+    clock = Clock()
+    played = PlayedAudio(RATE, clock)
+    start = clock.now
+    played.play_next(tone(0.1))
+    later = played.play_next(tone(0.1, 2000))
+    played.delay_from(later, 0.05)
+    out = played.take(int(0.4 * RATE), start + 0.4 + MARGIN / RATE)
+    assert not out[int(0.1 * RATE) : int(0.15 * RATE)].any()  # the gap the delay made
+    assert np.abs(out[int(0.15 * RATE) : int(0.25 * RATE)]).max() > 1000
+
+
+def test_processing_follows_noise_reduction_then_the_transports_default() -> None:
+    assert audio_processing(False, "far_field") == AudioProcessing(echo=True, noise=True)
+    assert audio_processing(True, "near_field") == AudioProcessing(echo=False, noise=True)
+    assert audio_processing(True, None) == AudioProcessing(echo=True, noise=True)
+    assert audio_processing(True, None, noise_suppression=False) == AudioProcessing(True, False)
+    assert audio_processing(False, None) is None
+
+
+def speakerphone(far: np.ndarray, delay_s: float, attenuation_db: float) -> np.ndarray:
+    """The far end as a speakerphone's mic hears it: late, quieter, through a short room."""
+    taps = int(0.03 * RATE)
+    room = np.exp(-np.arange(taps) / (0.006 * RATE)) * np.random.default_rng(7).normal(0, 1, taps)
+    room[0] = 1.0
+    room /= np.sqrt(np.sum(room**2))
+    echo = np.convolve(far.astype(np.float64), room)[: len(far)] * 10 ** (-attenuation_db / 20)
+    delay = int(delay_s * RATE)
+    return np.concatenate([np.zeros(delay), echo])[: len(far)]
+
+
+def voice_like(seconds: float, seed: int) -> np.ndarray:
+    """Noise shaped like speech: syllables of a few hundred ms, a voiced band, pauses."""
+    rng = np.random.default_rng(seed)
+    n = int(seconds * RATE)
+    noise = np.convolve(rng.normal(0, 1, n), np.hanning(24), "same")
+    syllables = (np.sin(2 * np.pi * 3.5 * np.arange(n) / RATE + seed) > -0.2).astype(float)
+    return (noise / noise.std() * 4000 * syllables).astype(np.int16)
+
+
+def rms_db(x: np.ndarray) -> float:
+    return 10 * np.log10(np.mean(x.astype(np.float64) ** 2) + 1e-9)
+
+
+def run_canceller(canceller: EchoCanceller, clock: Clock, far: np.ndarray, mic: np.ndarray):
+    """Play `far` and hear `mic` in 20 ms steps, as a call does; the processed mic back."""
+    assert canceller.played is not None
+    out = []
+    step = 2 * FRAME
+    for i in range(0, len(far), step):
+        canceller.played.play_at(far[i : i + step], clock.now)
+        clock.now += step / RATE
+        out.append(canceller.process(mic[i : i + step]))
+    return np.concatenate(out)
+
+
+def spoken(make_speech, sentences: list[str], seconds: float) -> np.ndarray:
+    pcm = np.concatenate([make_speech(s).pcm16 for s in sentences])
+    return np.resize(pcm, int(seconds * RATE))
+
+
+AGENT = [
+    "The weather in Paris is mild today, with a light wind from the west.",
+    "Tomorrow brings rain in the morning and sunshine in the afternoon.",
+]
+
+
+def test_the_canceller_takes_the_echo_out_and_leaves_the_caller(make_speech) -> None:
+    clock = Clock()
+    seconds = 8.0
+    far = spoken(make_speech, AGENT, seconds)
+    echo = speakerphone(far, delay_s=0.15, attenuation_db=10)
+    near = np.zeros(len(far), np.int16)
+    caller = make_speech("Stop, I want to book a table for two people.").pcm16
+    start = int(5 * RATE)  # the caller talks over the agent from 5 s
+    near[start : start + len(caller)] = caller[: len(near) - start]
+    mic = np.clip(echo + near, -32768, 32767).astype(np.int16)
+    canceller = EchoCanceller(AudioProcessing(echo=True, noise=False), PlayedAudio(RATE, clock))
+    out = run_canceller(canceller, clock, far, mic)
+    # echo alone, after 2 s to converge: at least 15 dB taken out
+    span = slice(int(2 * RATE), start)
+    erle = rms_db(mic[span]) - rms_db(out[span])
+    assert erle > 15, erle
+    # double talk: the caller's speech is still there, within a few dB
+    talk = slice(start + int(0.5 * RATE), start + len(caller) - int(0.5 * RATE))
+    assert abs(rms_db(out[talk]) - rms_db(near[talk])) < 4
+    assert canceller.busy_s > 0
+
+
+def test_without_a_reference_nothing_is_cancelled(make_speech) -> None:
+    """The same echo with the far end never placed: the check above would fail."""
+    clock = Clock()
+    far = spoken(make_speech, AGENT, 4.0)
+    mic = speakerphone(far, 0.15, 10).astype(np.int16)
+    canceller = EchoCanceller(AudioProcessing(echo=True, noise=False), PlayedAudio(RATE, clock))
+    out = run_canceller(canceller, clock, np.zeros_like(far), mic)
+    span = slice(int(2 * RATE), int(4 * RATE) - FRAME)
+    assert rms_db(mic[span]) - rms_db(out[span]) < 6
+
+
+def test_pieces_of_any_length_come_back_in_whole_frames_and_nothing_is_lost() -> None:
+    canceller = EchoCanceller(AudioProcessing(echo=False, noise=False), None)
+    pcm = voice_like(1.0, seed=3)
+    out, fed = [], 0
+    for size in (7, 160, 333, 1, 999, 4500):
+        out.append(canceller.process(pcm[fed : fed + size]))
+        assert len(out[-1]) % FRAME == 0
+        fed += size
+    assert sum(len(o) for o in out) == fed - fed % FRAME
+
+
+def test_a_leak_well_under_the_far_end_is_echo_and_a_caller_over_it_is_not() -> None:
+    residual = ResidualEcho()
+    assert residual.only_echo(heard_dbfs=-40, left_dbfs=-55, played_dbfs=-20)
+    # the caller over the agent: the canceller took little out
+    assert not residual.only_echo(heard_dbfs=-30, left_dbfs=-32, played_dbfs=-20)
+    # nothing played: whatever is left is the caller's
+    assert not residual.only_echo(heard_dbfs=-40, left_dbfs=-60, played_dbfs=-100)
