@@ -7,9 +7,10 @@
     await call.close()
 
 `connect(..., track=...)` sends any aiortc audio track instead (a real microphone through
-`aiortc.contrib.media.MediaPlayer`, for instance). Events arrive on the "oai-events" data
-channel as dicts; `typed_event()` turns one into the `openai` SDK's model of it. The load
-generator and the tests use this client.
+`aiortc.contrib.media.MediaPlayer`, for instance); `connect(..., speakerphone=...)` puts the call
+on a simulated speakerphone (`loadtest.speakerphone`), its loudspeaker's echo in the microphone.
+Events arrive on the "oai-events" data channel as dicts; `typed_event()` turns one into the
+`openai` SDK's model of it. The load generator and the tests use this client.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import contextlib
 import fractions
 import json
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import numpy as np
@@ -40,16 +41,30 @@ from stages.tasks import cancel_and_wait
 RATE = 48_000
 FRAME = 960  # 20 ms at 48 kHz
 _TIME_BASE = fractions.Fraction(1, RATE)
+PLAYOUT_DELAY_S = 0.06  # a receiver's jitter buffer, for the speakerphone's loudspeaker
+
+
+class EchoPath(Protocol):
+    """What a caller's loudspeaker leaks into its microphone, at 48 kHz (a speakerphone's echo:
+    loadtest.speakerphone.Speakerphone). Times are time.monotonic()."""
+
+    def played(self, pcm: np.ndarray, at: float) -> None:
+        """The loudspeaker began playing `pcm` (int16) at `at`."""
+
+    def mix(self, speech: np.ndarray, at: float) -> np.ndarray:
+        """The microphone frame captured from `at` on: `speech` (int16) and the echo, int16."""
 
 
 class Microphone(MediaStreamTrack):
     """An audio track that sends queued PCM (48 kHz mono int16) in 20 ms frames, silence
-    otherwise, on the wall clock. `sent_at` records when each queued clip started going out."""
+    otherwise, on the wall clock. `sent_at` records when each queued clip started going out;
+    an `echo` path mixes what the loudspeaker leaks into every frame, speech or silence."""
 
     kind = "audio"
 
-    def __init__(self) -> None:
+    def __init__(self, echo: EchoPath | None = None) -> None:
         super().__init__()
+        self.echo = echo
         self._queue: collections.deque[np.ndarray] = collections.deque()
         self._pts = 0
         self._start: float | None = None
@@ -100,20 +115,26 @@ class Microphone(MediaStreamTrack):
             self._popped_total += 1
         else:
             pcm = np.zeros(FRAME, np.int16)
+        sent = time.monotonic()
+        if self.echo is not None:
+            pcm = self.echo.mix(pcm, sent)
         frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate, frame.pts, frame.time_base = RATE, self._pts, _TIME_BASE
         self.frames_sent += 1
-        self.send_times.append(time.monotonic())
+        self.send_times.append(sent)
         return frame
 
 
 class Speaker:
-    """Records the agent's audio as it arrives: frames, their arrival times and levels."""
+    """Records the agent's audio as it arrives: frames, their arrival times and levels; plays
+    each into an `echo` path as it arrives."""
 
-    def __init__(self) -> None:
+    def __init__(self, echo: EchoPath | None = None) -> None:
+        self.echo = echo
         self.frames: list[np.ndarray] = []
         self.arrivals: list[float] = []
         self.levels: list[float] = []  # RMS of each frame
+        self._anchor: float | None = None  # the play clock, less the RTP clock (echo only)
         self._task: asyncio.Task[None] | None = None
 
     def start(self, track: MediaStreamTrack) -> None:
@@ -126,9 +147,23 @@ class Speaker:
                 pcm = frame.to_ndarray().reshape(-1)
                 if frame.layout.name == "stereo":
                     pcm = pcm.reshape(-1, 2).mean(axis=1).astype(np.int16)
+                arrival = time.monotonic()
                 self.frames.append(pcm)
-                self.arrivals.append(time.monotonic())
+                self.arrivals.append(arrival)
+                if self.echo is not None:
+                    self.echo.played(pcm, self._play_time(frame, arrival))
                 self.levels.append(float(np.sqrt(np.mean(pcm.astype(np.float64) ** 2))))
+
+    def _play_time(self, frame: AudioFrame, arrival: float) -> float:
+        """When a device plays `frame` from a jitter buffer: by its RTP clock, the first
+        frame `PLAYOUT_DELAY_S` after it came, and later only from a frame that comes after
+        its time (the buffer ran dry); so this loop waking late does not move the audio."""
+        if frame.pts is None or frame.time_base is None:
+            return arrival
+        at = float(frame.pts * frame.time_base)
+        if self._anchor is None or arrival > self._anchor + at:
+            self._anchor = arrival + PLAYOUT_DELAY_S - at
+        return self._anchor + at
 
     def pcm(self) -> np.ndarray:
         return np.concatenate(self.frames) if self.frames else np.zeros(0, np.int16)
@@ -141,11 +176,13 @@ class Speaker:
 class RealtimeCall:
     """One call to /v1/realtime/calls."""
 
-    def __init__(self, pc: RTCPeerConnection, channel: Any) -> None:
+    def __init__(
+        self, pc: RTCPeerConnection, channel: Any, speakerphone: EchoPath | None = None
+    ) -> None:
         self.pc = pc
         self.channel = channel
-        self.microphone = Microphone()
-        self.speaker = Speaker()
+        self.microphone = Microphone(speakerphone)
+        self.speaker = Speaker(speakerphone)
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.history: list[tuple[float, dict[str, Any]]] = []
         self.call_id: str | None = None
@@ -158,14 +195,18 @@ class RealtimeCall:
         api_key: str | None = None,
         ice_servers: list[str] | None = None,
         track: MediaStreamTrack | None = None,
+        speakerphone: EchoPath | None = None,
         timeout: float = 20,
     ) -> RealtimeCall:
-        """Call the gateway at `base_url`; `track` replaces the built-in microphone."""
+        """Call the gateway at `base_url`; `track` replaces the built-in microphone, and
+        `speakerphone` sends the agent's audio back through it as a speakerphone's echo."""
+        if track is not None and speakerphone is not None:
+            raise ValueError("a speakerphone echoes into the built-in microphone, not a track")
         pc = RTCPeerConnection(
             RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers or []])
         )
         channel = pc.createDataChannel("oai-events")
-        call = cls(pc, channel)
+        call = cls(pc, channel, speakerphone)
         pc.addTrack(track if track is not None else call.microphone)
         pc.on("track", lambda track: call.speaker.start(track) if track.kind == "audio" else None)
         channel.on("message", call._on_message)

@@ -4,7 +4,8 @@ then a `media` message every 20 ms for as long as the call lasts (the caller's s
 silence between), and `stop` at the hang-up. What comes back is played as Twilio plays it: the
 agent's `media` queued and played out in real time, each `mark` echoed once the audio sent
 before it has played, and a `clear` dropping what is queued (its pending marks echoed at once,
-as Twilio does).
+as Twilio does). On a speakerphone (`dial(..., speakerphone=...)`) the caller's microphone also
+picks up the agent's audio it played, mixed into every frame it sends.
 
     async with PhoneCall.dial("ws://127.0.0.1:8080/v1/telephony/twilio", {"api_key": K}) as call:
         call.say(pcm8k)                      # the caller speaks (PCM16 at 8 kHz)
@@ -29,6 +30,8 @@ from typing import Any
 import aiohttp
 import av
 import numpy as np
+
+from loadtest.speakerphone import Speakerphone
 
 RATE = 8_000
 FRAME = 160  # 20 ms of μ-law: a byte a sample
@@ -56,17 +59,24 @@ def mulaw_decode(data: bytes) -> np.ndarray:
 class PhoneCall:
     """One call's Media Stream, from Twilio's side. Times are time.monotonic()."""
 
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+    def __init__(
+        self, ws: aiohttp.ClientWebSocketResponse, speakerphone: Speakerphone | None = None
+    ) -> None:
         self.ws = ws
+        self.speakerphone = speakerphone  # at RATE
         self.stream_sid = "MZ" + secrets.token_hex(16)
         self.call_sid = "CA" + secrets.token_hex(16)
-        # frames to send: (μ-law, voiced, the first of a say(), the last)
-        self._speech: collections.deque[tuple[bytes, bool, bool, bool]] = collections.deque()
+        # frames to send: (PCM, voiced, the first of a say(), the last); μ-law at send time,
+        # after the speakerphone's echo is mixed in
+        self._speech: collections.deque[tuple[np.ndarray, bool, bool, bool]] = collections.deque()
         self.said: list[tuple[float, float]] = []  # (first voiced frame sent, last) per say()
         self.onsets: list[float] = []  # when each say()'s first voiced frame was sent
         self._says = 0
         self._saying: list[float] | None = None
-        self._queue: collections.deque[tuple[bytes | None, str | None]] = collections.deque()
+        # what came to be played: (μ-law, mark name, when it came)
+        self._queue: collections.deque[tuple[bytes | None, str | None, float]] = (
+            collections.deque()
+        )
         self.heard = np.zeros(0, np.int16)  # the agent's audio as played
         self.voiced_at: list[float] = []  # when each received voiced frame was played
         self.media_at: list[float] = []  # when each media message came
@@ -79,10 +89,18 @@ class PhoneCall:
     @classmethod
     @contextlib.asynccontextmanager
     async def dial(
-        cls, url: str, parameters: dict[str, str] | None = None
+        cls,
+        url: str,
+        parameters: dict[str, str] | None = None,
+        speakerphone: Speakerphone | None = None,
     ) -> AsyncIterator[PhoneCall]:
+        """Call `url`; on a `speakerphone` (at 8 kHz) the agent's audio echoes into the call."""
+        if speakerphone is not None and speakerphone.rate != RATE:
+            raise ValueError(
+                f"a phone call's speakerphone runs at {RATE} Hz, not {speakerphone.rate}"
+            )
         async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
-            call = cls(ws)
+            call = cls(ws, speakerphone)
             await call._send({"event": "connected", "protocol": "Call", "version": "1.0.0"})
             await call._send(
                 {
@@ -122,10 +140,10 @@ class PhoneCall:
     def say(self, pcm8k: np.ndarray) -> int:
         """Queue the caller's speech (PCM16 8 kHz); it goes out in real time after whatever
         is queued, silence around it. Its number, for `until_said`."""
-        data = mulaw_encode(pcm8k)
-        data += SILENCE[: (-len(data)) % FRAME]
+        pcm = np.asarray(pcm8k, np.int16).reshape(-1)
+        pcm = np.concatenate([pcm, np.zeros((-len(pcm)) % FRAME, np.int16)])
         voiced = np.abs(pcm8k) > VOICED
-        frames = [data[i : i + FRAME] for i in range(0, len(data), FRAME)]
+        frames = [pcm[i : i + FRAME] for i in range(0, len(pcm), FRAME)]
         for i, frame in enumerate(frames):
             chunk = voiced[i * FRAME : (i + 1) * FRAME]
             self._speech.append((frame, bool(chunk.any()), i == 0, i == len(frames) - 1))
@@ -137,16 +155,21 @@ class PhoneCall:
         return bool(self._speech)
 
     async def _talk(self) -> None:
-        """A media message every 20 ms, on an absolute clock: speech when there is some."""
+        """A media message every 20 ms, on an absolute clock: speech when there is some, and
+        the speakerphone's echo under speech and silence alike."""
         start, chunk = time.monotonic(), 0
         while True:
-            frame, voiced, first, last = (
-                self._speech.popleft() if self._speech else (SILENCE, False, False, False)
+            pcm, voiced, first, last = (
+                self._speech.popleft() if self._speech else (None, False, False, False)
             )
+            now = time.monotonic()
+            if self.speakerphone is not None:
+                pcm = self.speakerphone.mix(np.zeros(FRAME, np.int16) if pcm is None else pcm, now)
+            frame = SILENCE if pcm is None else mulaw_encode(pcm)
+            # what the caller said, not what its microphone heard: `voiced` is the speech's own
             if first:
                 self._saying = [0.0, 0.0]
             if voiced and self._saying is not None:
-                now = time.monotonic()
                 if not self._saying[0]:
                     self._saying[0] = now
                     self.onsets.append(now)
@@ -183,12 +206,13 @@ class PhoneCall:
                 assert event.get("streamSid") == self.stream_sid, event
                 if kind == "media":
                     self.media_at.append(time.monotonic())
-                    self._queue.append((base64.b64decode(event["media"]["payload"]), None))
+                    payload = base64.b64decode(event["media"]["payload"])
+                    self._queue.append((payload, None, self.media_at[-1]))
                 elif kind == "mark":
-                    self._queue.append((None, event["mark"]["name"]))
+                    self._queue.append((None, event["mark"]["name"], time.monotonic()))
                 elif kind == "clear":
                     self.clears.append(time.monotonic())
-                    for _, name in self._queue:
+                    for _, name, _ in self._queue:
                         if name is not None:
                             await self._echo(name)  # Twilio answers a cleared mark at once
                     self._queue.clear()
@@ -197,21 +221,25 @@ class PhoneCall:
             player.cancel()
 
     async def _play(self) -> None:
-        """Play what came, in real time, echoing each mark when the audio before it has."""
+        """Play what came, in real time, echoing each mark when the audio before it has. As a
+        phone's player: each frame follows the last unless it came after that one had played
+        (the player ran dry), so this loop waking late does not move the audio."""
         clock = time.monotonic()
         while True:
             if not self._queue:
                 await asyncio.sleep(0.005)
-                clock = max(clock, time.monotonic())
                 continue
-            payload, name = self._queue.popleft()
+            payload, name, came = self._queue.popleft()
             if name is not None:
                 await asyncio.sleep(max(0.0, clock - time.monotonic()))
                 await self._echo(name)
                 continue
             assert payload is not None
             pcm = mulaw_decode(payload)
-            clock = max(clock, time.monotonic()) + len(pcm) / RATE
+            playing = max(clock, came)
+            clock = playing + len(pcm) / RATE
+            if self.speakerphone is not None:
+                self.speakerphone.played(pcm, playing)
             await asyncio.sleep(max(0.0, clock - time.monotonic()))
             self.heard = np.concatenate([self.heard, pcm])
             if np.abs(pcm).max(initial=0) > VOICED:

@@ -1,11 +1,16 @@
-"""The Python client's microphone: what it sends and when it says each clip started."""
+"""The Python client's microphone and speaker: what the microphone sends and when it says each
+clip started, and what both hand a speakerphone's echo path."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
+from aiortc.mediastreams import MediaStreamError
+from av import AudioFrame
 
-from gateway.client import FRAME, Microphone
+from gateway.client import FRAME, Microphone, Speaker
 
 pytestmark = pytest.mark.asyncio
 
@@ -42,3 +47,51 @@ async def test_empty_clip_marks_no_start() -> None:
     await mic.recv()
     mic.stop()
     assert len(mic.clip_started) == 1
+
+
+class RecordedEcho:
+    """An echo path that adds a constant and records what it was given."""
+
+    def __init__(self) -> None:
+        self.plays: list[tuple[np.ndarray, float]] = []
+        self.mixes: list[tuple[np.ndarray, float]] = []
+
+    def played(self, pcm: np.ndarray, at: float) -> None:
+        self.plays.append((pcm, at))
+
+    def mix(self, speech: np.ndarray, at: float) -> np.ndarray:
+        self.mixes.append((speech.copy(), at))
+        return speech + 7
+
+
+async def test_an_echo_path_is_mixed_into_every_frame_at_its_send_time() -> None:
+    echo = RecordedEcho()
+    mic = Microphone(echo)
+    mic.play(clip(1000, 1))
+    sent = [await mic.recv() for _ in range(3)]
+    mic.stop()
+    assert [int(frame.to_ndarray()[0, 0]) for frame in sent] == [1007, 7, 7]
+    assert [int(speech[0]) for speech, _ in echo.mixes] == [1000, 0, 0]  # speech and silence
+    assert [at for _, at in echo.mixes] == mic.send_times
+
+
+async def test_the_speaker_plays_each_frame_into_the_echo_path_as_it_arrives() -> None:
+    frames = [clip(value, 1) for value in (300, -300)]
+
+    class Track:
+        async def recv(self) -> AudioFrame:
+            if not frames:
+                raise MediaStreamError
+            frame = AudioFrame.from_ndarray(frames.pop(0).reshape(1, -1), layout="mono")
+            frame.sample_rate = 48000
+            return frame
+
+    echo = RecordedEcho()
+    speaker = Speaker(echo)
+    speaker.start(Track())
+    async with asyncio.timeout(5):
+        while len(speaker.frames) < 2:
+            await asyncio.sleep(0.001)
+    await speaker.stop()
+    assert [int(pcm[0]) for pcm, _ in echo.plays] == [300, -300]
+    assert [at for _, at in echo.plays] == speaker.arrivals

@@ -1,0 +1,395 @@
+"""A caller on a speakerphone: the agent's own echo, with the gateway's echo canceller off and
+on, in one run.
+
+    python -m loadtest.echo_bench [--config configs/offline.yaml] [--delays 60,150,250]
+        [--levels 6,20] [--replies 3] [--barge-ins 3]
+        [--load-config configs/tiny.yaml] [--load-calls 20] [--load-seconds 30] [--out DIR]
+
+Phone calls (loadtest.phone: Twilio's Media Streams messages, μ-law 8 kHz, in real time) on a
+simulated speakerphone (loadtest.speakerphone: the agent's audio the phone played comes back
+into its microphone `--delays` ms late, `--levels` dB down, through a 60 ms room, under
+-60 dBFS of noise), against the stages and gateway of `--config` on 127.0.0.1, the gateway in
+this process so that its sessions' transcripts can be read. The canceller is the phone's
+(`gateway.media.echo_cancel.phone`), off and then on; each variant also runs once with no
+echo at all, the reference. In each condition one call:
+- asks `--replies` questions and hears each reply through. A reply the agent stopped or
+  paused on its own echo is one during which the gateway held the agent's audio for a voice
+  over it (`omni_agent_holds`), its VAD heard speech, or a `clear` came;
+- then `--barge-ins` times talks over a reply a second into it: missed if no `clear` came
+  within 5 s; the time from the interruption's onset (its first voiced frame sent) to the
+  agent silent at the phone (its last voiced frame played); the interruption's transcript
+  against its text (word error rate; the reference is the same speech with no echo).
+The questions and interruptions here were not used to set the canceller's thresholds (the
+test suite's sentences were).
+
+Then the cost: `--load-calls` phone calls on speakerphones at once against `omni-gateway start`
+with `--load-config` (the gateway in a process of its own, one process), each asking a
+question and listening for `--load-seconds`, the canceller off and then on: the gateway
+process's CPU per call, and its event loop's lag p99 (`omni_event_loop_lag_seconds`, to its
+histogram's bucket). Prints JSON and a table; writes results.json and table.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadtest.bench import describe_machine, log, publish, summary
+from loadtest.offline_quality import errors
+from loadtest.phone import PhoneCall
+from loadtest.speakerphone import EchoSettings, Speakerphone
+
+ROOT = Path(__file__).parents[1]
+QUESTIONS = (
+    "How do I make a cup of tea?",
+    "What happens in a thunderstorm?",
+    "Why do leaves change color in autumn?",
+    "Tell me about the ocean.",
+)
+INTERRUPTIONS = (
+    "Wait, I need to book a table for four people tonight.",
+    "Hold on, what time does the last bus leave the station?",
+    "Sorry, can you tell me the price of a return ticket?",
+    "Stop there, I would like to speak to the manager please.",
+)
+INSTRUCTIONS = "You are a helpful assistant. Answer in three or four sentences."
+BARGE_IN_AFTER_S = 1.0  # into the agent's reply
+MISSED_AFTER_S = 5.0  # no clear this long after the interruption's onset: missed
+QUIET_S = 0.4  # no voiced frame played for this long: the agent is silent
+ROOM_MS, NOISE_DBFS = 60.0, -60.0
+
+
+def counters(gateway: Any) -> dict[str, float]:
+    """The gateway's counts of what a voice over the agent did."""
+    registry = gateway.metrics.registry
+    samples = {
+        "holds": ("omni_agent_holds_total", {}),
+        "speech_started": ("omni_vad_events_total", {"event": "speech_started"}),
+    }
+    return {
+        k: registry.get_sample_value(name, labels) or 0.0 for k, (name, labels) in samples.items()
+    }
+
+
+def the_session(gateway: Any) -> Any:
+    calls = [c for c in gateway.calls.values() if c.call_id.startswith("tel")]
+    return calls[-1] if calls else None
+
+
+def user_transcripts(session: Any) -> list[str]:
+    out = []
+    for item in session.items:
+        if item.role == "user" and item.content:
+            out.append(item.content[0].get("transcript") or "")
+    return out
+
+
+async def until(predicate: Any, timeout: float, step: float = 0.02) -> bool:
+    """Whether `predicate()` came true within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(step)
+    return bool(predicate())
+
+
+def done_marks(phone: PhoneCall) -> int:
+    return sum(1 for m in phone.marks_echoed if m.startswith("done."))
+
+
+async def hear_reply(phone: PhoneCall, timeout: float = 120) -> None:
+    """Until the reply played to its end (its last mark) or was cleared, and the line is
+    quiet."""
+    marks, clears = done_marks(phone), len(phone.clears)
+    await until(lambda: done_marks(phone) > marks or len(phone.clears) > clears, timeout)
+    await phone.until_silent(QUIET_S, timeout)
+
+
+def silent_after(phone: PhoneCall, onset: float) -> float | None:
+    """When the agent fell silent at the phone after `onset`: its last voiced frame played
+    before a quiet spell of QUIET_S (None: it never did)."""
+    voiced = [t for t in phone.voiced_at if t >= onset]
+    last = onset
+    for t in voiced:
+        if t - last > QUIET_S:
+            break
+        last = t
+    return last if time.monotonic() - last > QUIET_S else None
+
+
+async def condition(
+    url: str, gateway: Any, echo: EchoSettings | None, replies: int, barge_ins: int
+) -> dict[str, Any]:
+    """One call on a speakerphone (none: no echo): its replies, then its barge-ins."""
+    from loadtest.voices import spoken
+
+    phone_echo = None if echo is None else Speakerphone(8000, echo)
+    stopped, barge = [], []
+    async with PhoneCall.dial(url, speakerphone=phone_echo) as phone:
+        for question in QUESTIONS[:replies]:
+            phone.say(spoken(question, 8000))
+            await phone.until_said(len(phone.said) + 1)
+            await phone.until_agent_speaks(after=phone.said[-1][1], timeout=120)
+            before, clears = counters(gateway), len(phone.clears)
+            await hear_reply(phone)
+            after = counters(gateway)
+            seen = {k: after[k] - before[k] for k in after}
+            seen["clears"] = len(phone.clears) - clears
+            stopped.append(seen)
+            log(f"  reply to {question!r}: {seen}")
+        for question, words in zip(QUESTIONS, INTERRUPTIONS[:barge_ins], strict=False):
+            phone.say(spoken(question, 8000))
+            await phone.until_said(len(phone.said) + 1)
+            spoke = await phone.until_agent_speaks(after=phone.said[-1][1], timeout=120)
+            await until(lambda s=spoke: time.monotonic() - s >= BARGE_IN_AFTER_S, 5)
+            clears = len(phone.clears)
+            session = the_session(gateway)
+            heard_before = len(user_transcripts(session))
+            n = phone.say(spoken(words, 8000))
+            await phone.until_said(n)
+            onset = phone.onsets[-1]
+            cleared = await until(
+                lambda c=clears: len(phone.clears) > c,
+                MISSED_AFTER_S - (time.monotonic() - onset),
+            )
+            await until(lambda o=onset: silent_after(phone, o) is not None, 10)
+            silent = silent_after(phone, onset)
+            await hear_reply(phone)  # the answer to it, or the rest of the reply it missed
+            # the caller's turns since the question's: the interruption's words
+            said = " ".join(t for t in user_transcripts(session)[heard_before:] if t)
+            edits, total = errors(words, said)
+            barge.append(
+                {
+                    "missed": not cleared,
+                    "onset_to_silent_ms": None if silent is None else (silent - onset) * 1000,
+                    "heard": said,
+                    "edits": edits,
+                    "words": total,
+                }
+            )
+            log(f"  barge-in {words!r}: {barge[-1]}")
+    return {"replies": stopped, "barge_ins": barge}
+
+
+def condition_figures(run: dict[str, Any]) -> dict[str, Any]:
+    replies, barge = run["replies"], run["barge_ins"]
+    self_cut = [r for r in replies if r["holds"] or r["speech_started"] or r["clears"]]
+    silent = [b["onset_to_silent_ms"] for b in barge if b["onset_to_silent_ms"] is not None]
+    words = sum(b["words"] for b in barge)
+    return {
+        "replies": len(replies),
+        "self_interrupted": len(self_cut),
+        "barge_ins": len(barge),
+        "barge_ins_missed": sum(b["missed"] for b in barge),
+        "onset_to_silent_ms": summary(silent, 50, 95),
+        "wer": round(sum(b["edits"] for b in barge) / words, 4) if words else None,
+    }
+
+
+async def quality(
+    config: Any, supervisor: Any, cancel: bool, conditions: list[EchoSettings | None], args: Any
+) -> dict[str, Any]:
+    from loadtest.tap import tapped_gateway
+
+    out = {}
+    async with tapped_gateway(config, supervisor) as (base, gateway, _):
+        url = base.replace("http", "ws") + "/v1/telephony/twilio"
+        for echo in conditions:
+            name = (
+                "no echo" if echo is None else f"{echo.delay_ms:g} ms, -{echo.attenuation_db:g} dB"
+            )
+            log(f"canceller {'on' if cancel else 'off'}: {name}")
+            run = await condition(url, gateway, echo, args.replies, args.barge_ins)
+            out[name] = {"figures": condition_figures(run), **run}
+    return out
+
+
+# -- the cost at load ------------------------------------------------------------------------
+
+
+def load_calls(url: str, n: int, listen_s: float, echo: EchoSettings) -> dict[str, Any]:
+    """In a process of its own: n phone calls on speakerphones ask at once, then listen."""
+    from loadtest.voices import spoken
+
+    question = spoken(QUESTIONS[0], 8000)
+
+    async def one() -> bool:
+        async with PhoneCall.dial(url, speakerphone=Speakerphone(8000, echo)) as phone:
+            phone.say(question)
+            try:
+                await phone.until_agent_speaks(timeout=120)
+            except TimeoutError:
+                return False
+            await asyncio.sleep(listen_s)
+            await phone.hang_up()
+        return True
+
+    async def every() -> list[bool]:
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+    return {"replied": asyncio.run(every())}
+
+
+def loop_lag(base: str) -> dict[float, float]:
+    """The gateway's loop-lag histogram: cumulative counts by bucket bound (s)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "omni_event_loop_lag_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    out[float(sample.labels["le"])] = sample.value
+    return out
+
+
+def p99_bound_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The smallest bucket bound under which 99% of the wake-ups between two readings were."""
+    counts = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = counts.get(float("inf"), 0.0)
+    if not total:
+        return None
+    for le, n in counts.items():
+        if n >= 0.99 * total:
+            return le * 1000
+    return None
+
+
+def cost(args: Any, cancel: bool, echo: EchoSettings) -> dict[str, Any]:
+    import psutil
+
+    from loadtest.service import Service
+
+    data = yaml.safe_load(args.load_config.read_text())
+    gw = data.setdefault("gateway", {})
+    gw["auth"] = {"enabled": False}
+    gw["processes"] = 1
+    gw["max_calls"] = args.load_calls + 2
+    gw.setdefault("media", {})["echo_cancel"] = {"phone": cancel}
+    data["max_sessions"] = max(data.get("max_sessions", 0), args.load_calls + 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "echo-load.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with Service(path) as service:
+            base, pids = service.started()
+            url = base.replace("http", "ws") + "/v1/telephony/twilio"
+            log(f"{args.load_calls} phone calls, canceller {'on' if cancel else 'off'}")
+            gateway = psutil.Process(pids["gateway"])
+            lag_before, cpu_before = loop_lag(base), gateway.cpu_times()
+            started = time.monotonic()
+            with mp.get_context("spawn").Pool(1) as pool:
+                result = pool.apply(load_calls, (url, args.load_calls, args.load_seconds, echo))
+            seconds = time.monotonic() - started
+            cpu_after, lag_after = gateway.cpu_times(), loop_lag(base)
+    cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
+    return {
+        "calls": args.load_calls,
+        "replied": sum(result["replied"]),
+        "seconds": round(seconds, 1),
+        "core_share_per_call": round(cpu / seconds / args.load_calls, 4),
+        "loop_lag_p99_ms_at_most": p99_bound_ms(lag_before, lag_after),
+    }
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [
+        "| canceller | echo | self-interrupted replies | barge-ins missed | onset → agent "
+        "silent p50 / p95 ms | WER of the words over the agent |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for variant, conditions in report["quality"].items():
+        for name, run in conditions.items():
+            f = run["figures"]
+            silent = f["onset_to_silent_ms"]
+            rows.append(
+                f"| {variant} | {name} | {f['self_interrupted']}/{f['replies']} | "
+                f"{f['barge_ins_missed']}/{f['barge_ins']} | {silent['p50']} / {silent['p95']} | "
+                f"{f['wer']} |"
+            )
+    if report.get("cost"):
+        rows += [
+            "",
+            "| canceller | calls | replied | gateway CPU per call (share of a core) | "
+            "loop lag p99 at most ms |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for variant, c in report["cost"].items():
+            rows.append(
+                f"| {variant} | {c['calls']} | {c['replied']} | {c['core_share_per_call']} | "
+                f"{c['loop_lag_p99_ms_at_most']} |"
+            )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gateway.config import load_config
+    from stages.supervisor import Supervisor
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "offline.yaml")
+    parser.add_argument("--delays", default="60,150,250", help="echo delays, ms")
+    parser.add_argument("--levels", default="6,20", help="echo attenuations, dB")
+    parser.add_argument("--replies", type=int, default=3, help=f"at most {len(QUESTIONS)}")
+    parser.add_argument("--barge-ins", type=int, default=3, help=f"at most {len(INTERRUPTIONS)}")
+    parser.add_argument("--load-config", type=Path, default=ROOT / "configs" / "tiny.yaml")
+    parser.add_argument("--load-calls", type=int, default=20, help="0: no cost phase")
+    parser.add_argument("--load-seconds", type=float, default=30)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if not 1 <= args.replies <= len(QUESTIONS) or not 1 <= args.barge_ins <= len(INTERRUPTIONS):
+        parser.error("--replies and --barge-ins: 1 to 4")
+    echoes: list[EchoSettings | None] = [None]
+    for delay in (float(d) for d in args.delays.split(",")):
+        for level in (float(a) for a in args.levels.split(",")):
+            echoes.append(EchoSettings(delay, level, ROOM_MS, noise_dbfs=NOISE_DBFS))
+    report: dict[str, Any] = {
+        "benchmark": "loadtest.echo_bench",
+        "date": datetime.date.today().isoformat(),
+        "machine": describe_machine(),
+        "config": args.config.name,
+        "load_config": args.load_config.name,
+        "quality": {},
+        "cost": {},
+    }
+    profile = {"default": {"instructions": INSTRUCTIONS}}
+    base_overrides = {"gateway.port": 0, "gateway.auth": {"enabled": False}}
+    config = load_config(args.config, {**base_overrides, "gateway.telephony.profiles": profile})
+    with Supervisor(config) as supervisor:
+        supervisor.start(progress=log)
+        for cancel in (False, True):
+            variant = load_config(
+                args.config,
+                {
+                    **base_overrides,
+                    "gateway.telephony.profiles": profile,
+                    "gateway.media.echo_cancel.phone": cancel,
+                },
+            )
+            report["quality"]["on" if cancel else "off"] = asyncio.run(
+                quality(variant, supervisor, cancel, echoes, args)
+            )
+    if args.load_calls:
+        loudest = EchoSettings(150, 6, ROOM_MS, noise_dbfs=NOISE_DBFS)
+        for cancel in (False, True):
+            report["cost"]["on" if cancel else "off"] = cost(args, cancel, loudest)
+    publish(report, table(report), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
