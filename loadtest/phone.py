@@ -74,9 +74,7 @@ class PhoneCall:
         self._says = 0
         self._saying: list[float] | None = None
         # what came to be played: (μ-law, mark name, when it came)
-        self._queue: collections.deque[tuple[bytes | None, str | None, float]] = (
-            collections.deque()
-        )
+        self._queue: collections.deque[tuple[bytes | None, str | None, float]] = collections.deque()
         self.heard = np.zeros(0, np.int16)  # the agent's audio as played
         self.voiced_at: list[float] = []  # when each received voiced frame was played
         self.media_at: list[float] = []  # when each media message came
