@@ -218,29 +218,6 @@ async def quality(
 # -- the cost at load ------------------------------------------------------------------------
 
 
-def load_calls(url: str, n: int, listen_s: float, echo: EchoSettings) -> dict[str, Any]:
-    """In a process of its own: n phone calls on speakerphones ask at once, then listen."""
-    from loadtest.voices import spoken
-
-    question = spoken(QUESTIONS[0], 8000)
-
-    async def one() -> bool:
-        async with PhoneCall.dial(url, speakerphone=Speakerphone(8000, echo)) as phone:
-            phone.say(question)
-            try:
-                await phone.until_agent_speaks(timeout=120)
-            except TimeoutError:
-                return False
-            await asyncio.sleep(listen_s)
-            await phone.hang_up()
-        return True
-
-    async def every() -> list[bool]:
-        return await asyncio.gather(*(one() for _ in range(n)))
-
-    return {"replied": asyncio.run(every())}
-
-
 def loop_lag(base: str) -> dict[float, float]:
     """The gateway's loop-lag histogram: cumulative counts by bucket bound (s)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -271,6 +248,8 @@ def cost(args: Any, cancel: bool, echo: EchoSettings) -> dict[str, Any]:
     import psutil
 
     from loadtest.service import Service
+    from loadtest.telephony_bench import run_phones
+    from loadtest.voices import spoken
 
     data = yaml.safe_load(args.load_config.read_text())
     gw = data.setdefault("gateway", {})
@@ -290,7 +269,10 @@ def cost(args: Any, cancel: bool, echo: EchoSettings) -> dict[str, Any]:
             lag_before, cpu_before = loop_lag(base), gateway.cpu_times()
             started = time.monotonic()
             with mp.get_context("spawn").Pool(1) as pool:
-                result = pool.apply(load_calls, (url, args.load_calls, args.load_seconds, echo))
+                question = spoken(QUESTIONS[0], 8000)
+                result = pool.apply(
+                    run_phones, (url, args.load_calls, question, args.load_seconds, echo)
+                )
             seconds = time.monotonic() - started
             cpu_after, lag_after = gateway.cpu_times(), loop_lag(base)
     cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)

@@ -38,6 +38,7 @@ from loadtest.bench import ms_summary as ms
 from loadtest.callers import run_callers
 from loadtest.phone import PhoneCall
 from loadtest.service import ROOT, Service
+from loadtest.speakerphone import EchoSettings, Speakerphone
 from loadtest.voices import spoken
 
 QUESTIONS = (
@@ -90,11 +91,15 @@ async def phone_turns(url: str, turns: int) -> dict[str, list[float]]:
     return {"to_media": to_media, "to_clear": to_clear, "to_silent": to_silent, "missed": missed}
 
 
-def run_phones(url: str, n: int, speech8k: np.ndarray, listen_s: float) -> dict[str, Any]:
-    """In a process of its own: n phone calls speak once, wait for the agent, listen."""
+def run_phones(
+    url: str, n: int, speech8k: np.ndarray, listen_s: float, echo: EchoSettings | None = None
+) -> dict[str, Any]:
+    """In a process of its own: n phone calls speak once, wait for the agent, listen; with
+    `echo`, each on a speakerphone (loadtest.speakerphone)."""
 
     async def one() -> bool:
-        async with PhoneCall.dial(url) as phone:
+        speakerphone = None if echo is None else Speakerphone(8000, echo)
+        async with PhoneCall.dial(url, speakerphone=speakerphone) as phone:
             phone.say(speech8k)
             try:
                 await phone.until_agent_speaks(timeout=120)
