@@ -19,8 +19,8 @@ echo at all, the reference. In each condition one call:
   within 5 s; the time from the interruption's onset (its first voiced frame sent) to the
   agent silent at the phone (its last voiced frame played); the interruption's transcript
   against its text (word error rate; the reference is the same speech with no echo).
-The questions and interruptions here were not used to set the canceller's thresholds (the
-test suite's sentences were).
+The questions and interruptions are split once (`--part`): the canceller's thresholds were set
+on calls of the tuning part; the test part is reported.
 
 Then the cost: `--load-calls` phone calls on speakerphones at once against `omni-gateway start`
 with `--load-config` (the gateway in a process of its own, one process), each asking a
@@ -50,18 +50,36 @@ from loadtest.phone import PhoneCall
 from loadtest.speakerphone import EchoSettings, Speakerphone
 
 ROOT = Path(__file__).parents[1]
-QUESTIONS = (
-    "How do I make a cup of tea?",
-    "What happens in a thunderstorm?",
-    "Why do leaves change color in autumn?",
-    "Tell me about the ocean.",
-)
-INTERRUPTIONS = (
-    "Wait, I need to book a table for four people tonight.",
-    "Hold on, what time does the last bus leave the station?",
-    "Sorry, can you tell me the price of a return ticket?",
-    "Stop there, I would like to speak to the manager please.",
-)
+# Split once: the canceller's thresholds (gateway.echo.ResidualEcho) and its far end's
+# placement were set on calls of the tuning part; the test part is what is reported
+QUESTIONS = {
+    "tuning": (
+        "How do I make a cup of tea?",
+        "What happens in a thunderstorm?",
+        "Why do leaves change color in autumn?",
+        "Tell me about the ocean.",
+    ),
+    "test": (
+        "How is bread made?",
+        "What do bees do all day?",
+        "Why is the sea salty?",
+        "Tell me about the mountains.",
+    ),
+}
+INTERRUPTIONS = {
+    "tuning": (
+        "Wait, I need to book a table for four people tonight.",
+        "Hold on, what time does the last bus leave the station?",
+        "Sorry, can you tell me the price of a return ticket?",
+        "Stop there, I would like to speak to the manager please.",
+    ),
+    "test": (
+        "Excuse me, where is the nearest train station from here?",
+        "One moment, I want to change my delivery address.",
+        "Wait, how much does a large pizza cost?",
+        "Actually, please cancel my order for tomorrow morning.",
+    ),
+}
 INSTRUCTIONS = "You are a helpful assistant. Answer in three or four sentences."
 BARGE_IN_AFTER_S = 1.0  # into the agent's reply
 MISSED_AFTER_S = 5.0  # no clear this long after the interruption's onset: missed
@@ -129,7 +147,7 @@ def silent_after(phone: PhoneCall, onset: float) -> float | None:
 
 
 async def condition(
-    url: str, gateway: Any, echo: EchoSettings | None, replies: int, barge_ins: int
+    url: str, gateway: Any, echo: EchoSettings | None, part: str, replies: int, barge_ins: int
 ) -> dict[str, Any]:
     """One call on a speakerphone (none: no echo): its replies, then its barge-ins."""
     from loadtest.voices import spoken
@@ -137,7 +155,7 @@ async def condition(
     phone_echo = None if echo is None else Speakerphone(8000, echo)
     stopped, barge = [], []
     async with PhoneCall.dial(url, speakerphone=phone_echo) as phone:
-        for question in QUESTIONS[:replies]:
+        for question in QUESTIONS[part][:replies]:
             phone.say(spoken(question, 8000))
             await phone.until_said(len(phone.said) + 1)
             await phone.until_agent_speaks(after=phone.said[-1][1], timeout=120)
@@ -148,7 +166,8 @@ async def condition(
             seen["clears"] = len(phone.clears) - clears
             stopped.append(seen)
             log(f"  reply to {question!r}: {seen}")
-        for question, words in zip(QUESTIONS, INTERRUPTIONS[:barge_ins], strict=False):
+        pairs = zip(QUESTIONS[part], INTERRUPTIONS[part][:barge_ins], strict=False)
+        for question, words in pairs:
             phone.say(spoken(question, 8000))
             await phone.until_said(len(phone.said) + 1)
             spoke = await phone.until_agent_speaks(after=phone.said[-1][1], timeout=120)
@@ -210,7 +229,7 @@ async def quality(
                 "no echo" if echo is None else f"{echo.delay_ms:g} ms, -{echo.attenuation_db:g} dB"
             )
             log(f"canceller {'on' if cancel else 'off'}: {name}")
-            run = await condition(url, gateway, echo, args.replies, args.barge_ins)
+            run = await condition(url, gateway, echo, args.part, args.replies, args.barge_ins)
             out[name] = {"figures": condition_figures(run), **run}
     return out
 
@@ -269,7 +288,7 @@ def cost(args: Any, cancel: bool, echo: EchoSettings) -> dict[str, Any]:
             lag_before, cpu_before = loop_lag(base), gateway.cpu_times()
             started = time.monotonic()
             with mp.get_context("spawn").Pool(1) as pool:
-                question = spoken(QUESTIONS[0], 8000)
+                question = spoken(QUESTIONS[args.part][0], 8000)
                 result = pool.apply(
                     run_phones, (url, args.load_calls, question, args.load_seconds, echo)
                 )
@@ -326,14 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "offline.yaml")
     parser.add_argument("--delays", default="60,150,250", help="echo delays, ms")
     parser.add_argument("--levels", default="6,20", help="echo attenuations, dB")
-    parser.add_argument("--replies", type=int, default=3, help=f"at most {len(QUESTIONS)}")
-    parser.add_argument("--barge-ins", type=int, default=3, help=f"at most {len(INTERRUPTIONS)}")
+    parser.add_argument("--part", choices=tuple(QUESTIONS), default="test")
+    parser.add_argument("--replies", type=int, default=3, help="at most 4")
+    parser.add_argument("--barge-ins", type=int, default=3, help="at most 4")
     parser.add_argument("--load-config", type=Path, default=ROOT / "configs" / "tiny.yaml")
     parser.add_argument("--load-calls", type=int, default=20, help="0: no cost phase")
     parser.add_argument("--load-seconds", type=float, default=30)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    if not 1 <= args.replies <= len(QUESTIONS) or not 1 <= args.barge_ins <= len(INTERRUPTIONS):
+    if not 1 <= args.replies <= 4 or not 1 <= args.barge_ins <= 4:
         parser.error("--replies and --barge-ins: 1 to 4")
     echoes: list[EchoSettings | None] = [None]
     for delay in (float(d) for d in args.delays.split(",")):
@@ -345,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": describe_machine(),
         "config": args.config.name,
         "load_config": args.load_config.name,
+        "part": args.part,
         "quality": {},
         "cost": {},
     }

@@ -2,7 +2,7 @@
 
 A caller on a speakerphone or a car kit sends the agent's own voice back into the call: the
 loudspeaker plays what the agent said, the room carries it to the microphone, delayed and quieter,
-under the caller's speech and the microphone's noise. The gateway must cancel that echo (issue 58)
+under the caller's speech and the microphone's noise. The gateway must cancel that echo
 or the agent hears itself and barges in on its own reply. `Speakerphone` is that echo path for one
 call at one sample rate, for the test callers (gateway.client, loadtest.phone) to mix in:
 
