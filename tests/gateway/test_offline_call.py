@@ -42,7 +42,8 @@ def ear():
 
 
 def words(text: str) -> str:
-    text = re.sub(r"\b7\b", "seven", text.lower())
+    # Whisper writes a spoken number as digits, and may run it into the word before ("S7")
+    text = re.sub(r"(?<![0-9])7(?![0-9])", " seven ", text.lower())
     return " ".join(re.sub(r"[^a-z' ]", " ", text).split())
 
 
