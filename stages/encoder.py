@@ -8,7 +8,8 @@ At a TURN_PAUSED the turn so far is transcribed (a backend whose stream can `pee
 reasoning, which starts the reply on it (stages.prepared). Under speech-in, reasoning gets the
 turn's rows instead: each window's as it completes, the open window's at a pause and at the
 end, made on lanes of their own (the tower's), so that the reply never waits for the
-recognizer; its transcripts are for the client, the turn-taking and the history's text.
+recognizer; its transcripts are for the client, the turn-taking and the history's text. The
+windows the tower lanes ask for at once go through the tower in one pass (stages.tower_batch).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import numpy as np
 
 from stages.backends import bundled
 from stages.backends.speech import RecognizerStream, SpeechRecognizer
-from stages.backends.speech_in import AudioTower
 from stages.backends.words_end_turn import WordsEndTurn
 from stages.config import EncoderConfig
 from stages.envelope import Envelope
@@ -42,6 +42,7 @@ from stages.rings import GATEWAY
 from stages.speech_in import speech_in_model
 from stages.stage import QueuedStage
 from stages.stops import Stop
+from stages.tower_batch import BatchedTower
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +116,12 @@ class EncoderStage(QueuedStage):
         t0 = time.monotonic()
         self.recognizer = load_recognizer(self.config.encoder)
         self.words = load_words_judge(self.config.encoder)
-        self.tower: AudioTower | None = None
+        self.tower: BatchedTower | None = None
         speech_in = speech_in_model(self.config.reasoning)
         if speech_in is not None:
             options = self.config.reasoning.speech_in
             assert options is not None
-            self.tower = speech_in.tower(self.config.encoder.device, options.dtype)
+            self.tower = BatchedTower(speech_in.tower(self.config.encoder.device, options.dtype))
             logger.info(
                 "encoder: speech-in, %s's audio tower on %s (windows of %d ms)",
                 speech_in.family,
@@ -153,6 +154,8 @@ class EncoderStage(QueuedStage):
                 self._drop(session)
             self.lanes.close(wait=True)
             self.tower_lanes.close(wait=True)
+            if self.tower is not None:
+                self.tower.close()
         super().close()
 
     def handle(self, env: Envelope) -> None:

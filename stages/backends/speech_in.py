@@ -30,11 +30,12 @@ Families:
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,6 +89,10 @@ class AudioTower(Protocol):
     def rows(self, audio: np.ndarray) -> np.ndarray:
         """The rows of one window (or of the last, shorter one) of PCM16 caller audio, as a
         (rows, dim) array of `dtype` (bfloat16 as its 16-bit pattern, in uint16)."""
+
+    def rows_of(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """`rows` of several windows (of any sessions) in as few passes as the family
+        allows: the same rows as one at a time."""
 
 
 @dataclass(frozen=True)
@@ -366,33 +371,57 @@ class UltravoxTower:
         return out.input_features[0, :, :frames]
 
     def rows(self, audio: np.ndarray) -> np.ndarray:
+        return self.rows_of([audio])[0]
+
+    def rows_of(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Windows of one length in one pass (Whisper's attention sees the whole input, so
+        a shorter one padded would not give its own rows)."""
         import torch
+
+        mels = [self._mel(audio) for audio in audios]
+        out: list[np.ndarray | None] = [None] * len(mels)
+        by_length: dict[int, list[int]] = collections.defaultdict(list)
+        for i, mel in enumerate(mels):
+            by_length[mel.shape[-1]].append(i)
+        with torch.inference_mode():
+            for same in by_length.values():
+                for i, rows in zip(
+                    same, self._pass(torch.stack([mels[i] for i in same])), strict=True
+                ):
+                    out[i] = rows
+        return [rows for rows in out if rows is not None]
+
+    def _pass(self, mel: Any) -> list[np.ndarray]:
+        """The rows of a (windows, mels, frames) batch of equal windows."""
         import torch.nn.functional as F
 
-        with torch.inference_mode():
-            mel = self._mel(audio)
-            enc = self.encoder
-            x = mel[None].to(self.device, enc.conv1.weight.dtype)
-            x = F.gelu(enc.conv1(x))
-            x = F.gelu(enc.conv2(x)).permute(0, 2, 1)
-            x = x + enc.embed_positions.weight[: x.shape[1]]
-            for layer in enc.layers:
-                out = layer(x, attention_mask=None)
-                x = out[0] if isinstance(out, tuple) else out
-            frames = enc.layer_norm(x)[0]
-            n_rows = math.ceil(mel.shape[-1] / (2 * self.stack))
-            stacked = F.pad(frames, (0, 0, 0, -frames.shape[0] % self.stack))
-            stacked = stacked.reshape(-1, frames.shape[1] * self.stack)
-            p = self.projector
-            h = _rms_norm(stacked, p["ln_pre.weight"]) @ p["linear_1.weight"].T
-            half = h.shape[-1] // 2
-            h = h[..., :half] * F.silu(h[..., half:])
-            if self.ln_mid:
-                h = _rms_norm(h, p["ln_mid.weight"])
-            h = h @ p["linear_2.weight"].T
-            if not self.ln_mid:
-                h = _rms_norm(h, p["ln_post.weight"])
-            return _as_rows(h[:n_rows], self.dtype)
+        enc = self.encoder
+        x = mel.to(self.device, enc.conv1.weight.dtype)
+        x = F.gelu(enc.conv1(x))
+        x = F.gelu(enc.conv2(x)).permute(0, 2, 1)
+        x = x + enc.embed_positions.weight[: x.shape[1]]
+        for layer in enc.layers:
+            out = layer(x, attention_mask=None)
+            x = out[0] if isinstance(out, tuple) else out
+        return [self._project(frames, mel.shape[-1]) for frames in enc.layer_norm(x)]
+
+    def _project(self, frames: Any, mel_frames: int) -> np.ndarray:
+        """One window's encoder frames, stacked and projected into the language model's rows."""
+        import torch.nn.functional as F
+
+        n_rows = math.ceil(mel_frames / (2 * self.stack))
+        stacked = F.pad(frames, (0, 0, 0, -frames.shape[0] % self.stack))
+        stacked = stacked.reshape(-1, frames.shape[1] * self.stack)
+        p = self.projector
+        h = _rms_norm(stacked, p["ln_pre.weight"]) @ p["linear_1.weight"].T
+        half = h.shape[-1] // 2
+        h = h[..., :half] * F.silu(h[..., half:])
+        if self.ln_mid:
+            h = _rms_norm(h, p["ln_mid.weight"])
+        h = h @ p["linear_2.weight"].T
+        if not self.ln_mid:
+            h = _rms_norm(h, p["ln_post.weight"])
+        return _as_rows(h[:n_rows], self.dtype)
 
 
 def _rms_norm(x: Any, weight: Any, eps: float = 1e-6) -> Any:
@@ -485,8 +514,9 @@ class OmniTower:
         self.dim = int(config.output_dim)
 
     def rows(self, audio: np.ndarray) -> np.ndarray:
-        import torch
+        return self.rows_of([audio])[0]
 
+    def _mel(self, audio: np.ndarray) -> Any:
         wave = audio.astype(np.float32) / 32768.0
         # the window and an STFT's width of the silence that padding to 30 s (the processor's
         # way) would put after it: the same frames, without 30 s of spectrogram a window
@@ -497,9 +527,20 @@ class OmniTower:
             return_tensors="pt",
         )
         frames = max(math.ceil(len(wave) / HOP), 4)
-        mel = out.input_features[0, :, :frames].to(self.device, _torch_dtype(self.dtype))
+        return out.input_features[0, :, :frames]
+
+    def rows_of(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Every window in one pass, as the encoder takes several audios (vLLM's way): each
+        window's attention blocks are its own, so its rows are what it gets alone."""
+        import torch
+
+        mels = [self._mel(audio) for audio in audios]
+        mel = torch.cat(mels, dim=-1).to(self.device, _torch_dtype(self.dtype))
         with torch.inference_mode():
-            lengths = torch.tensor([frames], device=self.device)
+            lengths = torch.tensor([m.shape[-1] for m in mels], device=self.device)
             after_cnn = (lengths - 1) // 2 + 1
             hidden = self.encoder(mel, feature_lens=lengths, aftercnn_lens=after_cnn)
-            return _as_rows(hidden.last_hidden_state, self.dtype)
+            rows = _as_rows(hidden.last_hidden_state, self.dtype)
+        # each window's rows: its frames after the convolutions, pooled in pairs
+        counts = (after_cnn // 2).tolist()
+        return list(np.split(rows, np.cumsum(counts)[:-1]))

@@ -4,7 +4,10 @@ random-weight checkpoints of Ultravox's and Qwen2.5-Omni's layouts."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ from stages.backends.tiny_speech_in import ensure_tiny_omni, ensure_tiny_ultravo
 from stages.conversation import ChatHistory
 from stages.messages import CALLER_RATE
 from stages.speech_in import EmbeddedPrompt
+from stages.tower_batch import BatchedTower
 
 pytestmark = pytest.mark.usefixtures("model_cache")  # tests/stages/conftest.py
 
@@ -54,6 +58,61 @@ def test_ultravox_reads_fixed_windows_of_whole_rows(ultravox) -> None:
     assert tower.rows(speech(0.5)).shape == (4, tower.dim)
     with pytest.raises(SpeechInError, match="multiple of 160"):
         load_speech_in(str(ultravox.folder), window_ms=1000)
+
+
+@pytest.mark.parametrize("checkpoint", ["omni", "ultravox"])
+def test_windows_in_one_pass_get_the_rows_they_get_alone(checkpoint, request) -> None:
+    """rows_of: several sessions' windows, full and shorter, in as few passes as the family
+    allows; each window's rows are what it gets on its own (float32: bit for bit but for the
+    order of a batched matmul's sums)."""
+    tower = request.getfixturevalue(checkpoint).tower("cpu", "float32")
+    full = tower.window_samples
+    audios = [speech(full / CALLER_RATE, seed) for seed in range(3)] + [speech(0.6, 3)]
+    audios.insert(1, speech(0.5, 4))
+    together = tower.rows_of(audios)
+    assert len(together) == len(audios)
+    for audio, rows in zip(audios, together, strict=True):
+        np.testing.assert_allclose(rows, tower.rows(audio), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(together[0], together[2])  # each its own, in the order asked
+
+
+def test_lanes_waiting_together_share_a_pass(omni) -> None:
+    """BatchedTower: the windows asked for while a pass runs go in the next one, and each
+    lane gets its own window's rows back."""
+    tower = omni.tower("cpu", "float32")
+    first_pass, go_on = threading.Event(), threading.Event()
+    passes: list[int] = []
+
+    class HeldTower:  # the real tower, its first pass held until the others wait
+        window_samples, dim, dtype = tower.window_samples, tower.dim, tower.dtype
+        rows = tower.rows
+
+        def rows_of(self, audios):
+            passes.append(len(audios))
+            first_pass.set()
+            assert go_on.wait(30)
+            return tower.rows_of(audios)
+
+    batched = BatchedTower(HeldTower())
+    try:
+        audios = [speech(2.0, seed) for seed in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as lanes:
+            got = [lanes.submit(batched.rows, audios[0])]
+            assert first_pass.wait(30)
+            got += [lanes.submit(batched.rows, audio) for audio in audios[1:]]
+            for _ in range(3000):  # until the other seven wait (bounded)
+                if batched._waiting.qsize() == 7:
+                    break
+                time.sleep(0.001)
+            go_on.set()
+            got = [future.result(30) for future in got]
+        assert passes == [1, 7]
+        for audio, rows in zip(audios, got, strict=True):
+            np.testing.assert_allclose(rows, tower.rows(audio), rtol=1e-4, atol=1e-4)
+    finally:
+        batched.close()
+    with pytest.raises(RuntimeError, match="stopping"):
+        batched.rows(speech(2.0))
 
 
 @pytest.mark.parametrize("family", ["omni", "ultravox"])
