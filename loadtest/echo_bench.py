@@ -15,9 +15,10 @@ echo at all, the reference. In each condition one call:
 - asks `--replies` questions and hears each reply through. A reply the agent stopped or
   paused on its own echo is one during which the gateway held the agent's audio for a voice
   over it (`omni_agent_holds`), its VAD heard speech, or a `clear` came;
-- then `--barge-ins` times talks over a reply a second into it: missed if no `clear` came
-  within 5 s; the time from the interruption's onset (its first voiced frame sent) to the
-  agent silent at the phone (its last voiced frame played); the interruption's transcript
+- then `--barge-ins` times talks over a reply a second into it, while the agent's voice
+  plays: missed if no `clear` came within 5 s; the time from the interruption's onset (its
+  first voiced frame sent) to the agent silent at the phone (its last voiced frame played),
+  left out where the agent was between phrases at the onset; the interruption's transcript
   against its text (word error rate; the reference is the same speech with no echo).
 The questions and interruptions are split once (`--part`): the canceller's thresholds were set
 on calls of the tuning part; the test part is reported.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import math
 import multiprocessing as mp
 import sys
 import tempfile
@@ -84,6 +86,7 @@ INSTRUCTIONS = "You are a helpful assistant. Answer in three or four sentences."
 BARGE_IN_AFTER_S = 1.0  # into the agent's reply
 MISSED_AFTER_S = 5.0  # no clear this long after the interruption's onset: missed
 QUIET_S = 0.4  # no voiced frame played for this long: the agent is silent
+AUDIBLE_S = 0.06  # a voiced frame played this recently: the agent is speaking
 ROOM_MS, NOISE_DBFS = 60.0, -60.0
 
 
@@ -134,6 +137,11 @@ async def hear_reply(phone: PhoneCall, timeout: float = 120) -> None:
     await phone.until_silent(QUIET_S, timeout)
 
 
+def audible(phone: PhoneCall) -> bool:
+    """Whether the agent's voice is what the phone plays now."""
+    return bool(phone.voiced_at) and time.monotonic() - phone.voiced_at[-1] < AUDIBLE_S
+
+
 def silent_after(phone: PhoneCall, onset: float) -> float | None:
     """When the agent fell silent at the phone after `onset`: its last voiced frame played
     before a quiet spell of QUIET_S (None: it never did)."""
@@ -171,7 +179,9 @@ async def condition(
             phone.say(spoken(question, 8000))
             await phone.until_said(len(phone.said) + 1)
             spoke = await phone.until_agent_speaks(after=phone.said[-1][1], timeout=120)
-            await until(lambda s=spoke: time.monotonic() - s >= BARGE_IN_AFTER_S, 5)
+            await until(
+                lambda s=spoke: time.monotonic() - s >= BARGE_IN_AFTER_S and audible(phone), 5
+            )
             clears = len(phone.clears)
             session = the_session(gateway)
             heard_before = len(user_transcripts(session))
@@ -184,6 +194,8 @@ async def condition(
             )
             await until(lambda o=onset: silent_after(phone, o) is not None, 10)
             silent = silent_after(phone, onset)
+            # the agent between two phrases at the onset: nothing to fall silent
+            playing = any(onset - AUDIBLE_S <= t <= onset for t in phone.voiced_at)
             await hear_reply(phone)  # the answer to it, or the rest of the reply it missed
             # the caller's turns since the question's: the interruption's words
             said = " ".join(t for t in user_transcripts(session)[heard_before:] if t)
@@ -191,7 +203,10 @@ async def condition(
             barge.append(
                 {
                     "missed": not cleared,
-                    "onset_to_silent_ms": None if silent is None else (silent - onset) * 1000,
+                    "agent_playing": playing,
+                    "onset_to_silent_ms": (
+                        None if silent is None or not playing else (silent - onset) * 1000
+                    ),
                     "heard": said,
                     "edits": edits,
                     "words": total,
@@ -211,6 +226,7 @@ def condition_figures(run: dict[str, Any]) -> dict[str, Any]:
         "self_interrupted": len(self_cut),
         "barge_ins": len(barge),
         "barge_ins_missed": sum(b["missed"] for b in barge),
+        "barge_ins_over_silence": sum(not b["agent_playing"] for b in barge),
         "onset_to_silent_ms": summary(silent, 50, 95),
         "wer": round(sum(b["edits"] for b in barge) / words, 4) if words else None,
     }
@@ -252,14 +268,15 @@ def loop_lag(base: str) -> dict[float, float]:
 
 
 def p99_bound_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
-    """The smallest bucket bound under which 99% of the wake-ups between two readings were."""
+    """The smallest bucket bound under which 99% of the wake-ups between two readings were
+    (None: over the largest finite bound, a second, or no wake-up at all)."""
     counts = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
     total = counts.get(float("inf"), 0.0)
     if not total:
         return None
     for le, n in counts.items():
         if n >= 0.99 * total:
-            return le * 1000
+            return le * 1000 if math.isfinite(le) else None
     return None
 
 
@@ -332,7 +349,7 @@ def table(report: dict[str, Any]) -> str:
         for variant, c in report["cost"].items():
             rows.append(
                 f"| {variant} | {c['calls']} | {c['replied']} | {c['core_share_per_call']} | "
-                f"{c['loop_lag_p99_ms_at_most']} |"
+                f"{c['loop_lag_p99_ms_at_most'] or 'over 1000'} |"
             )
     return "\n".join(rows)
 
@@ -351,8 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-config", type=Path, default=ROOT / "configs" / "tiny.yaml")
     parser.add_argument("--load-calls", type=int, default=20, help="0: no cost phase")
     parser.add_argument("--load-seconds", type=float, default=30)
+    parser.add_argument("--variants", default="off,on", help="the canceller off, on, or both")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",")]
+    if not variants or not set(variants) <= {"off", "on"}:
+        parser.error(f"--variants: off, on or both, not {args.variants!r}")
     if not 1 <= args.replies <= 4 or not 1 <= args.barge_ins <= 4:
         parser.error("--replies and --barge-ins: 1 to 4")
     echoes: list[EchoSettings | None] = [None]
@@ -374,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, {**base_overrides, "gateway.telephony.profiles": profile})
     with Supervisor(config) as supervisor:
         supervisor.start(progress=log)
-        for cancel in (False, True):
+        for cancel in (v == "on" for v in variants):
             variant = load_config(
                 args.config,
                 {
@@ -388,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.load_calls:
         loudest = EchoSettings(150, 6, ROOM_MS, noise_dbfs=NOISE_DBFS)
-        for cancel in (False, True):
+        for cancel in (v == "on" for v in variants):
             report["cost"]["on" if cancel else "off"] = cost(args, cancel, loudest)
     publish(report, table(report), args.out)
     return 0
