@@ -91,7 +91,9 @@ class WatchedSpeaker(Speaker):
 
 
 class ConversationCall(RealtimeCall):
-    def __init__(self, pc: Any, channel: Any) -> None:
+    def __init__(self, pc: Any, channel: Any, speakerphone: Any = None) -> None:
+        if speakerphone is not None:
+            raise ValueError("a conversation's callers have no speakerphone")
         super().__init__(pc, channel)
         self.microphone = WatchedMicrophone()
         self.speaker = WatchedSpeaker()
