@@ -51,7 +51,7 @@ _LATENCY = re.compile(
 # a CountLog's line: how often each outcome came (vLLM's aborts, replies made at the pause)
 _COUNTS = re.compile(r"^(.+) in \d+ s, ([^:]+): ((?:[\w ]+ \d+)(?:, [\w ]+ \d+)*)$")
 _PASSES = re.compile(
-    rf"^(vocoder|whisper): (\d+) passes in \d+ s, {_NUM} \w+ a pass, {_NUM} ms a pass "
+    rf"^(vocoder|whisper|audio tower): (\d+) passes in \d+ s, {_NUM} \w+ a pass, {_NUM} ms a pass "
     rf"\(max {_NUM}\)"
 )
 

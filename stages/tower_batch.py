@@ -34,7 +34,7 @@ class BatchedTower:
         self.tower = tower
         self.window_samples, self.dim, self.dtype = tower.window_samples, tower.dim, tower.dtype
         self.max_windows = max_windows
-        self.log = PassLog("encoder: audio tower", "windows")
+        self.log = PassLog("audio tower", "windows")
         self._waiting: queue.SimpleQueue[
             tuple[np.ndarray, concurrent.futures.Future[np.ndarray]] | None
         ] = queue.SimpleQueue()
