@@ -217,18 +217,20 @@ async def condition(
 
 
 def condition_figures(run: dict[str, Any]) -> dict[str, Any]:
-    replies, barge = run["replies"], run["barge_ins"]
+    replies, every = run["replies"], run["barge_ins"]
     self_cut = [r for r in replies if r["holds"] or r["speech_started"] or r["clears"]]
+    # one that began with the agent already silent had nothing to interrupt: counted apart
+    barge = [b for b in every if b["agent_playing"]]
     silent = [b["onset_to_silent_ms"] for b in barge if b["onset_to_silent_ms"] is not None]
-    words = sum(b["words"] for b in barge)
+    words = sum(b["words"] for b in every)
     return {
         "replies": len(replies),
         "self_interrupted": len(self_cut),
         "barge_ins": len(barge),
         "barge_ins_missed": sum(b["missed"] for b in barge),
-        "barge_ins_over_silence": sum(not b["agent_playing"] for b in barge),
+        "barge_ins_over_silence": len(every) - len(barge),
         "onset_to_silent_ms": summary(silent, 50, 95),
-        "wer": round(sum(b["edits"] for b in barge) / words, 4) if words else None,
+        "wer": round(sum(b["edits"] for b in every) / words, 4) if words else None,
     }
 
 
@@ -326,7 +328,8 @@ def cost(args: Any, cancel: bool, echo: EchoSettings) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     rows = [
-        "| canceller | echo | self-interrupted replies | barge-ins missed | onset → agent "
+        "| canceller | echo | self-interrupted replies | barge-ins missed (over silence, apart) "
+        "| onset → agent "
         "silent p50 / p95 ms | WER of the words over the agent |",
         "|---|---|---:|---:|---:|---:|",
     ]
@@ -336,7 +339,8 @@ def table(report: dict[str, Any]) -> str:
             silent = f["onset_to_silent_ms"]
             rows.append(
                 f"| {variant} | {name} | {f['self_interrupted']}/{f['replies']} | "
-                f"{f['barge_ins_missed']}/{f['barge_ins']} | {silent['p50']} / {silent['p95']} | "
+                f"{f['barge_ins_missed']}/{f['barge_ins']} ({f['barge_ins_over_silence']}) | "
+                f"{silent['p50']} / {silent['p95']} | "
                 f"{f['wer']} |"
             )
     if report.get("cost"):
