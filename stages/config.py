@@ -213,6 +213,12 @@ class SpeechInConfig(Strict):
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="the tower's and the embeddings' dtype"
     )
+    stream_priority: Literal["normal", "high"] = Field(
+        "high",
+        description="on a GPU, the tower's passes on a stream of the highest priority, ahead "
+        "of vLLM's steps and the recognizer's passes (its rows are on the reply's path); "
+        "normal: the encoder process's default stream",
+    )
 
 
 class ReasoningConfig(Strict):

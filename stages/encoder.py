@@ -23,7 +23,12 @@ import msgspec
 import numpy as np
 
 from stages.backends import bundled
-from stages.backends.speech import RecognizerStream, SpeechRecognizer
+from stages.backends.speech import (
+    RecognizerStream,
+    SpeechRecognizer,
+    gpu_stream,
+    torch_device,
+)
 from stages.backends.words_end_turn import WordsEndTurn
 from stages.config import EncoderConfig
 from stages.envelope import Envelope
@@ -121,7 +126,11 @@ class EncoderStage(QueuedStage):
         if speech_in is not None:
             options = self.config.reasoning.speech_in
             assert options is not None
-            self.tower = BatchedTower(speech_in.tower(self.config.encoder.device, options.dtype))
+            device = self.config.encoder.device
+            on_stream = gpu_stream(
+                torch_device(device, "audio tower"), options.stream_priority, "audio tower"
+            )
+            self.tower = BatchedTower(speech_in.tower(device, options.dtype), on_stream=on_stream)
             logger.info(
                 "encoder: speech-in, %s's audio tower on %s (windows of %d ms)",
                 speech_in.family,

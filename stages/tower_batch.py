@@ -12,10 +12,13 @@ one pass, whatever the number of windows in it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 
@@ -30,8 +33,15 @@ class BatchedTower:
     wait together share one pass of at most `max_windows`. `close` fails the calls still
     waiting (a stage stopping)."""
 
-    def __init__(self, tower: AudioTower, max_windows: int = 64) -> None:
+    def __init__(
+        self,
+        tower: AudioTower,
+        max_windows: int = 64,
+        on_stream: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        """`on_stream`: the context the passes run in (stages.backends.speech.gpu_stream)."""
         self.tower = tower
+        self.on_stream = on_stream
         self.window_samples, self.dim, self.dtype = tower.window_samples, tower.dim, tower.dtype
         self.max_windows = max_windows
         self.log = PassLog("audio tower", "windows")
@@ -87,7 +97,8 @@ class BatchedTower:
     def _pass(self, batch: list[tuple[np.ndarray, concurrent.futures.Future[np.ndarray]]]) -> None:
         started = time.monotonic()
         try:
-            rows = self.tower.rows_of([audio for audio, _ in batch])
+            with self.on_stream():
+                rows = self.tower.rows_of([audio for audio, _ in batch])
             if len(rows) != len(batch):
                 raise RuntimeError(f"the tower gave {len(rows)} windows' rows for {len(batch)}")
         except Exception as exc:  # each lane reports it for its own session

@@ -5,6 +5,7 @@ random-weight checkpoints of Ultravox's and Qwen2.5-Omni's layouts."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import threading
 import time
@@ -93,7 +94,14 @@ def test_lanes_waiting_together_share_a_pass(omni) -> None:
             assert go_on.wait(30)
             return tower.rows_of(audios)
 
-    batched = BatchedTower(HeldTower())
+    streams: list[int] = []
+
+    @contextlib.contextmanager
+    def on_stream():  # where a GPU's passes run on the tower's own stream
+        streams.append(len(passes))
+        yield
+
+    batched = BatchedTower(HeldTower(), on_stream=on_stream)
     try:
         audios = [speech(2.0, seed) for seed in range(8)]
         with concurrent.futures.ThreadPoolExecutor(8) as lanes:
@@ -107,6 +115,7 @@ def test_lanes_waiting_together_share_a_pass(omni) -> None:
             go_on.set()
             got = [future.result(30) for future in got]
         assert passes == [1, 7]
+        assert streams == [0, 1]  # each pass inside the stream's context
         for audio, rows in zip(audios, got, strict=True):
             np.testing.assert_allclose(rows, tower.rows(audio), rtol=1e-4, atol=1e-4)
     finally:
