@@ -1,17 +1,24 @@
-"""How well the offline profile hears and answers, through the gateway's real audio path.
+"""How well the offline profile hears and answers, through the gateway's real audio path, on
+spoken questions it was never tuned on.
 
-    python -m loadtest.offline_quality [--config configs/offline.yaml] [--out DIR]
-        [--encoders ctranslate2=bundled:whisper-tiny.en,pocketsphinx,...]
+    python -m loadtest.offline_quality [--config configs/offline.yaml] [--part test]
+        [--encoders ctranslate2=bundled:whisper-tiny.en,...] [--limit N] [--out DIR]
 
-Every encoder in `--encoders` runs in this one run, each with the rest of the configuration as
-it is: the stages and the gateway start on 127.0.0.1, and one WebRTC caller (gateway.client:
-a real aiortc peer, real Opus) speaks each of the utterances, made by the project's own voices
-(the Piper voice and two espeak-ng voices, in this process), with the VAD's replies off; the
-transcript the client gets is scored against the sentence (word error rate, numbers spelled
-out on both sides). Then, with the first encoder, the caller asks the spoken factual
-questions with replies on, and each reply the caller heard is transcribed (Whisper base, in
-this process) and counted right when it holds the expected word. Prints a table and writes
-results.json under --out.
+The questions (loadtest.spoken_questions) are split once into a tuning part and a test part:
+prompts, examples and decoding are chosen on the first, and the second is reported (`--part`,
+test by default). Every encoder in `--encoders` runs in this one run, each with the rest of the
+configuration as it is: the stages and the gateway start on 127.0.0.1 and:
+- each question is spoken in every one of `CONDITIONS` (six voices: Piper's and five of
+  espeak-ng's, British, American, Scottish, female and male; two of them slower and faster,
+  one under noise at 20 dB SNR, one over the phone: 8 kHz μ-law through the gateway's G.711
+  path), by a caller with the VAD's replies off (WebRTC: a real aiortc peer, real Opus; the
+  phone: Twilio's Media Streams messages), and the transcript is scored against the question
+  (word error rate, numbers spelled out on both sides), per condition;
+- then, with the first encoder, the caller asks each question once with replies on, in a
+  call of its own, the voices taken in turn; each reply the caller heard is transcribed
+  (Whisper base, in this process) and counted right when it holds one of the answer's words.
+Prints a table (per-condition WER, the answers right, each reply) and writes results.json
+under --out.
 """
 
 from __future__ import annotations
@@ -23,60 +30,54 @@ import json
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from loadtest.bench import describe_machine, log
+from loadtest.spoken_questions import PARTS, Question
 
 ROOT = Path(__file__).parents[1]
-SENTENCES = (
-    "What is the capital of France?",
-    "How many days are there in a week?",
-    "The meeting starts at nine thirty tomorrow morning.",
-    "Please book a table for four people at seven o'clock.",
-    "My name is Sarah Connor and I live in Los Angeles.",
-    "It is twenty three degrees and sunny in Madrid today.",
-    "Can you remind me to call my mother on Sunday?",
-    "The train to Berlin leaves from platform six.",
-    "I would like to order two coffees and a croissant.",
-    "What is the opposite of hot?",
-    "Turn off the lights in the kitchen please.",
-    "Who wrote the play Romeo and Juliet?",
-    "My phone number is five five five, one two three four.",
-    "How far is the moon from the earth?",
-    "Set a timer for fifteen minutes.",
-    "Which planet do we live on?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Is it going to rain in London this afternoon?",
-    "Tell me a short story about a brave little mouse.",
-    "Thank you very much, that was very helpful.",
+VOICES = (
+    "piper",
+    "espeak:en-us",
+    "espeak:en-us+f3",
+    "espeak:en-gb-x-rp",
+    "espeak:en-gb-scotland",
+    "espeak:en-us+m3",
 )
-# (question, a word the right answer holds)
-QUESTIONS = (
-    ("What is the capital of France?", "paris"),
-    ("How many days are there in a week?", "seven"),
-    ("What is the opposite of hot?", "cold"),
-    ("How many legs does a spider have?", "eight"),
-    ("What color is the sky on a clear day?", "blue"),
-    ("What is the capital of Japan?", "tokyo"),
-    ("How many hours are there in a day?", "twenty four"),
-    ("What is frozen water called?", "ice"),
-    ("Which animal is known as the king of the jungle?", "lion"),
-    ("What do bees make?", "honey"),
-    ("How many months are there in a year?", "twelve"),
-    ("What is the largest ocean on earth?", "pacific"),
-    ("What is the capital of Italy?", "rome"),
-    ("What gas do plants take in from the air?", "carbon dioxide"),
-    ("How many sides does a triangle have?", "three"),
-    ("What is the opposite of up?", "down"),
-    ("Which season comes after winter?", "spring"),
-    ("What is the capital of Germany?", "berlin"),
-    ("How many minutes are there in an hour?", "sixty"),
-    ("What do cows drink?", "water"),
+
+
+@dataclass(frozen=True)
+class Condition:
+    """How a question is said: a voice, at a speed, under noise (dB SNR), or over the phone."""
+
+    voice: str
+    speed: float = 1.0
+    snr_db: float | None = None
+    phone: bool = False
+
+    @property
+    def name(self) -> str:
+        out = self.voice
+        if self.speed != 1.0:
+            out += f" x{self.speed:g}"
+        if self.snr_db is not None:
+            out += f" noise {self.snr_db:g} dB"
+        if self.phone:
+            out += " phone"
+        return out
+
+
+CONDITIONS = (
+    *(Condition(voice) for voice in VOICES),
+    Condition("piper", speed=0.85),
+    Condition("espeak:en-us+f3", speed=1.2),
+    Condition("piper", snr_db=20.0),
+    Condition("espeak:en-gb-x-rp", phone=True),
 )
-VOICES = ("piper", "espeak:en-us", "espeak:en-us+f3")
 DEFAULT_ENCODERS = (
     "ctranslate2=bundled:whisper-tiny.en",
     "ctranslate2=bundled:whisper-base",
@@ -161,10 +162,13 @@ def errors(reference: str, heard: str) -> tuple[int, int]:
 # -- the utterances --------------------------------------------------------------------------
 
 
-def speak(texts: list[str], voice: str, *, varied: bool = True) -> list[np.ndarray]:
+def speak(
+    texts: list[str], voice: str, *, varied: bool = True, speed: float = 1.0
+) -> list[np.ndarray]:
     """Each text spoken by `voice` ("piper", or "espeak:NAME"), 48 kHz mono PCM16, with
-    0.3 s of silence before and 0.8 s after (the VAD's window ends the turn). Piper says a
-    text a little differently each time unless `varied` is false (a test's fixed input)."""
+    0.3 s of silence before and 0.8 s after (the VAD's window ends the turn), `speed` times
+    the voice's pace. Piper says a text a little differently each time unless `varied` is
+    false (a test's fixed input)."""
     from stages.audio import resample
     from stages.backends import bundled
 
@@ -172,16 +176,39 @@ def speak(texts: list[str], voice: str, *, varied: bool = True) -> list[np.ndarr
         from stages.backends.tts_piper import load_piper
 
         noise = {} if varied else {"noise_scale": 0.0, "noise_w": 0.0}
-        tts: Any = load_piper(bundled.resolve("bundled:piper-en_US-joe-medium"), **noise)
+        tts: Any = load_piper(
+            bundled.resolve("bundled:piper-en_US-joe-medium"), length_scale=1 / speed, **noise
+        )
     else:
         from stages.backends.tts_espeak import load_espeak
 
-        tts = load_espeak(voice=voice.partition(":")[2], rate_wpm=160)
+        tts = load_espeak(voice=voice.partition(":")[2], rate_wpm=round(160 * speed))
     out = []
     for text in texts:
         pcm = resample(np.concatenate(list(tts.synthesize(text))), tts.sample_rate, 48000)
         out.append(np.concatenate([np.zeros(14400, np.int16), pcm, np.zeros(38400, np.int16)]))
     return out
+
+
+def with_noise(clip: np.ndarray, snr_db: float, seed: int) -> np.ndarray:
+    """`clip` under white noise `snr_db` below its speech (its voiced samples' power)."""
+    speech = clip[np.abs(clip) > 300].astype(np.float64)
+    power = float(np.mean(speech**2)) if len(speech) else 0.0
+    rng = np.random.default_rng(seed)
+    noise = rng.normal(0.0, np.sqrt(power / 10 ** (snr_db / 10)), len(clip))
+    return np.clip(clip + noise, -32768, 32767).astype(np.int16)
+
+
+def utterances(condition: Condition, texts: list[str]) -> list[np.ndarray]:
+    """The texts said as `condition` says them: 48 kHz PCM16, or 8 kHz for the phone."""
+    from stages.audio import resample
+
+    clips = speak(texts, condition.voice, speed=condition.speed)
+    if condition.snr_db is not None:
+        clips = [with_noise(c, condition.snr_db, seed) for seed, c in enumerate(clips)]
+    if condition.phone:
+        clips = [resample(c, 48000, 8000) for c in clips]
+    return clips
 
 
 # -- one encoder through the gateway -------------------------------------------------------------
@@ -231,6 +258,45 @@ async def transcripts(base: str, clips: list[np.ndarray]) -> list[str]:
         await call.close()
 
 
+async def phone_transcripts(base: str, gateway: Any, clips8k: list[np.ndarray]) -> list[str]:
+    """What the gateway heard over the phone (8 kHz μ-law, its G.711 path), one clip a turn;
+    the phone's profile answers nothing (the run's `gateway.telephony.profiles`)."""
+    from loadtest.phone import PhoneCall
+
+    url = base.replace("http", "ws") + "/v1/telephony/twilio"
+    async with PhoneCall.dial(url) as phone:
+        session = await _until_value(lambda: _phone_session(gateway), 10)
+        heard: list[str] = []
+        for clip in clips8k:
+            before = len(_transcribed(session))
+            await phone.until_said(phone.say(clip))
+            done = await _until_value(lambda b=before: (_transcribed(session)[b:] or [None])[0], 60)
+            heard.append(done or "")
+        return heard
+
+
+def _phone_session(gateway: Any) -> Any:
+    calls = [c for c in gateway.calls.values() if c.call_id.startswith("tel")]
+    return calls[-1] if calls else None
+
+
+def _transcribed(session: Any) -> list[str]:
+    """The caller's transcripts so far, in order."""
+    return [
+        item.content[0]["transcript"]
+        for item in session.items
+        if item.role == "user" and item.content and item.content[0].get("transcript") is not None
+    ]
+
+
+async def _until_value(read: Any, timeout: float) -> Any:
+    """`read()` once it is not None, polled every 20 ms (None after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while (value := read()) is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return value
+
+
 async def answers(base: str, clips: list[np.ndarray], judge: Any) -> list[dict[str, Any]]:
     """Each question asked with replies on, in a call of its own (a conversation of its own:
     the model is not led by the answers before): what was heard, said, and heard back."""
@@ -263,69 +329,97 @@ async def answers(base: str, clips: list[np.ndarray], judge: Any) -> list[dict[s
     return out
 
 
+def right(reply_heard: str, answer: tuple[str, ...]) -> bool:
+    """Whether a reply, as the caller heard it, holds one of the answer's words."""
+    heard = f" {' '.join(words(reply_heard))} "
+    return any(f" {' '.join(words(word))} " in heard for word in answer)
+
+
 async def run_encoder(
     config_path: Path,
     settings: dict[str, Any],
-    utterances: dict[str, list[np.ndarray]],
-    questions: list[np.ndarray] | None,
+    questions: list[Question],
+    said: dict[str, list[np.ndarray]],
+    asked: list[np.ndarray] | None,
     judge: Any,
 ) -> dict[str, Any]:
+    """One encoder: the questions as each condition says them heard (`said`, by condition),
+    and, if `asked`, each question asked once with replies on."""
     from gateway.config import load_config
     from loadtest.tap import tapped_gateway
     from stages.supervisor import Supervisor
 
-    config = load_config(config_path, {"gateway.port": 0, **settings})
-    result: dict[str, Any] = {"settings": settings, "voices": {}}
+    listen_only = {"audio": {"input": {"turn_detection": {"create_response": False}}}}
+    config = load_config(
+        config_path,
+        {"gateway.port": 0, "gateway.telephony.profiles": {"default": listen_only}, **settings},
+    )
+    texts = [q for q, _ in questions]
+    result: dict[str, Any] = {"settings": settings, "conditions": {}}
     with Supervisor(config) as supervisor:
         supervisor.start(progress=log)
-        async with tapped_gateway(config, supervisor) as (base, _, _):
-            for voice, clips in (utterances or {}).items():
-                heard = await transcripts(base, clips)
-                said = SENTENCES[: len(clips)]
-                counted = [errors(s, h) for s, h in zip(said, heard, strict=True)]
+        async with tapped_gateway(config, supervisor) as (base, gateway, _):
+            for condition in CONDITIONS:
+                clips = said.get(condition.name)
+                if clips is None:
+                    continue
+                if condition.phone:
+                    heard = await phone_transcripts(base, gateway, clips)
+                else:
+                    heard = await transcripts(base, clips)
+                counted = [errors(t, h) for t, h in zip(texts, heard, strict=True)]
                 edits, total = sum(e for e, _ in counted), sum(n for _, n in counted)
-                result["voices"][voice] = {
+                result["conditions"][condition.name] = {
                     "wer": round(edits / total, 4),
                     "misheard": [
-                        {"said": s, "heard": h}
-                        for s, h, (e, _) in zip(said, heard, counted, strict=True)
+                        {"said": t, "heard": h}
+                        for t, h, (e, _) in zip(texts, heard, counted, strict=True)
                         if e
                     ],
                 }
-                log(f"{settings}: {voice}: WER {edits / total:.3f}")
-            if questions is not None:
-                replies = await answers(base, questions, judge)
-                for (question, expected), reply in zip(QUESTIONS, replies, strict=False):
-                    reply["question"], reply["expected"] = question, expected
-                    reply["right"] = expected in " ".join(words(reply["heard_back"]))
+                log(f"{settings}: {condition.name}: WER {edits / total:.3f}")
+            if asked is not None:
+                replies = await answers(base, asked, judge)
+                for k, ((question, answer), reply) in enumerate(
+                    zip(questions, replies, strict=True)
+                ):
+                    reply["question"], reply["expected"] = question, list(answer)
+                    reply["voice"] = VOICES[k % len(VOICES)]
+                    reply["right"] = right(reply["heard_back"], answer)
                 result["answers"] = replies
-                right = sum(r["right"] for r in replies)
-                log(f"{settings}: {right} of {len(replies)} answers right")
-    result["wer"] = round(float(np.mean([v["wer"] for v in result["voices"].values()])), 4)
+                n_right = sum(r["right"] for r in replies)
+                log(f"{settings}: {n_right} of {len(replies)} answers right")
+    wers = [c["wer"] for c in result["conditions"].values()]
+    result["wer"] = round(float(np.mean(wers)), 4) if wers else None
     return result
 
 
 def table(results: dict[str, Any]) -> str:
-    voices = list(results["encoders"][0]["voices"])
+    conditions = list(results["encoders"][0]["conditions"])
     lines: list[str] = []
-    if voices:
+    if conditions:
         lines += [
-            "| encoder | " + " | ".join(f"WER, {v}" for v in voices) + " | mean WER |",
-            "|---|" + "---:|" * (len(voices) + 1),
+            "| encoder | " + " | ".join(f"WER, {c}" for c in conditions) + " | mean WER |",
+            "|---|" + "---:|" * (len(conditions) + 1),
         ]
-    for run in results["encoders"] if voices else []:
-        cells = [f"{run['voices'][v]['wer']:.3f}" for v in voices]
+    for run in results["encoders"] if conditions else []:
+        cells = [f"{run['conditions'][c]['wer']:.3f}" for c in conditions]
         name = " ".join(f"{v}" for v in run["settings"].values() if v)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {run['wer']:.3f} |")
     first = results["encoders"][0]
     if "answers" in first:
         replies = first["answers"]
-        right = sum(r["right"] for r in replies)
-        lines += ["", f"answers right: {right} of {len(replies)}", ""]
-        lines += ["| question | heard | reply (heard back) | right |", "|---|---|---|---|"]
+        n_right = sum(r["right"] for r in replies)
+        lines += ["", f"answers right: {n_right} of {len(replies)}", ""]
+        lines += [
+            "| question | voice | heard | reply (heard back) | right |",
+            "|---|---|---|---|---|",
+        ]
         for r in replies:
-            right = "yes" if r["right"] else "no"
-            lines.append(f"| {r['question']} | {r['heard']} | {r['heard_back']} | {right} |")
+            mark = "yes" if r["right"] else "no"
+            lines.append(
+                f"| {r['question']} | {r['voice']} | {r['heard']} | {r['heard_back']} | {mark} |"
+            )
     return "\n".join(lines)
 
 
@@ -337,35 +431,45 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(DEFAULT_ENCODERS),
         help="encoders compared, comma-separated: BACKEND[=MODEL] (the first answers questions)",
     )
+    parser.add_argument("--part", choices=tuple(PARTS), default="test")
     parser.add_argument("--no-answers", action="store_true", help="skip the spoken questions")
-    parser.add_argument("--no-wer", action="store_true", help="skip the word error rates")
     parser.add_argument(
-        "--limit", type=int, default=None, help="only the first N sentences and questions"
+        "--no-examples",
+        action="store_true",
+        help="the answers without the profile's example exchanges (reasoning.examples)",
     )
+    parser.add_argument("--no-wer", action="store_true", help="skip the word error rates")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
     parser.add_argument("--out", type=Path, default=Path("out/offline-quality"))
     args = parser.parse_args(argv)
     from stages.backends import bundled
     from stages.backends.asr_ctranslate2 import load_ctranslate2_whisper
 
     args.out.mkdir(parents=True, exist_ok=True)
-    log("making the utterances")
-    sentences, asked = SENTENCES[: args.limit], QUESTIONS[: args.limit]
-    utterances = {} if args.no_wer else {voice: speak(list(sentences), voice) for voice in VOICES}
-    questions = speak([q for q, _ in asked], "piper")
+    questions = list(PARTS[args.part][: args.limit])
+    texts = [q for q, _ in questions]
+    log(f"saying {len(texts)} questions of the {args.part} part in {len(CONDITIONS)} ways")
+    said = {} if args.no_wer else {c.name: utterances(c, texts) for c in CONDITIONS}
+    # asked with replies on: the voices in turn, one question each
+    asked = [speak([t], VOICES[k % len(VOICES)])[0] for k, t in enumerate(texts)]
     judge = load_ctranslate2_whisper(bundled.resolve("bundled:whisper-base"), cpu_threads=1)
     results: dict[str, Any] = {
         "benchmark": "offline_quality",
         "date": datetime.date.today().isoformat(),
         "command": "python -m loadtest.offline_quality " + " ".join(argv or sys.argv[1:]),
         "machine": describe_machine(),
-        "config": str(args.config),
-        "utterances": {v: len(c) for v, c in utterances.items()},
+        "config": args.config.name,
+        "part": args.part,
+        "questions": len(questions),
         "encoders": [],
     }
     for k, text in enumerate(args.encoders.split(",")):
-        asked = None if (k or args.no_answers) else questions
+        with_answers = None if (k or args.no_answers) else asked
+        settings = encoder_settings(text)
+        if args.no_examples:
+            settings["reasoning.examples"] = []
         results["encoders"].append(
-            asyncio.run(run_encoder(args.config, encoder_settings(text), utterances, asked, judge))
+            asyncio.run(run_encoder(args.config, settings, questions, said, with_answers, judge))
         )
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     text = table(results)
@@ -374,8 +478,14 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "machine": results["machine"],
+                "part": args.part,
                 "encoders": [
-                    {"settings": r["settings"], "wer": r["wer"]} for r in results["encoders"]
+                    {
+                        "settings": r["settings"],
+                        "wer": r["wer"],
+                        "right": sum(a["right"] for a in r.get("answers", [])),
+                    }
+                    for r in results["encoders"]
                 ],
             }
         )

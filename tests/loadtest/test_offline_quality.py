@@ -3,9 +3,20 @@ rate over them."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from loadtest.offline_quality import encoder_settings, errors, spelled, words
+from loadtest.offline_quality import (
+    CONDITIONS,
+    ROOT,
+    encoder_settings,
+    errors,
+    right,
+    spelled,
+    with_noise,
+    words,
+)
+from loadtest.spoken_questions import PARTS
 
 
 @pytest.mark.parametrize(
@@ -38,3 +49,31 @@ def test_an_encoder_is_named_by_its_backend_and_model() -> None:
         "encoder.backend": "ctranslate2",
         "encoder.model": "bundled:whisper-base",
     }
+
+
+def test_a_reply_is_right_when_it_holds_an_answer_word_whole() -> None:
+    assert right("A week has 7 days.", ("seven",))
+    assert right("Leaves turn red in the fall.", ("autumn", "fall"))
+    assert right("There are twenty-four hours in a day.", ("twenty four",))
+    assert not right("There are seventy days.", ("seven",))  # a word, not a part of one
+    assert not right("", ("paris",))
+
+
+def test_the_noisy_condition_is_its_signal_to_noise_ratio_below_the_speech() -> None:
+    t = np.arange(48000) / 48000
+    speech = np.concatenate([np.zeros(4800), 8000 * np.sin(2 * np.pi * 200 * t)])
+    noisy = with_noise(speech.astype(np.int16), 20.0, seed=1).astype(np.float64)
+    noise = noisy[:4800]  # where there was silence: the noise alone
+    snr = 10 * np.log10(np.mean(speech[4800:] ** 2) / np.mean(noise**2))
+    assert 19.0 < snr < 21.0
+
+
+def test_the_parts_are_split_once_and_the_prompt_examples_are_in_neither() -> None:
+    import yaml
+
+    tuning, test = ({q for q, _ in PARTS[p]} for p in ("tuning", "test"))
+    assert len(tuning) + len(test) >= 60 and not tuning & test
+    offline = yaml.safe_load((ROOT / "configs" / "offline.yaml").read_text())
+    examples = {e["user"] for e in offline["reasoning"].get("examples", [])}
+    assert not examples & test  # a test question is never an example of the shipped prompt
+    assert {c.name for c in CONDITIONS} >= {"piper", "piper noise 20 dB", "espeak:en-gb-x-rp phone"}
