@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from loadtest.bench import describe_machine, log
 from loadtest.spoken_questions import PARTS, Question
@@ -404,7 +405,7 @@ def table(results: dict[str, Any]) -> str:
         ]
     for run in results["encoders"] if conditions else []:
         cells = [f"{run['conditions'][c]['wer']:.3f}" for c in conditions]
-        name = " ".join(f"{v}" for v in run["settings"].values() if v)
+        name = " ".join(f"{v}" for k, v in run["settings"].items() if v and k.startswith("encoder"))
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {run['wer']:.3f} |")
     first = results["encoders"][0]
     if "answers" in first:
@@ -433,10 +434,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--part", choices=tuple(PARTS), default="test")
     parser.add_argument("--no-answers", action="store_true", help="skip the spoken questions")
-    parser.add_argument(
+    examples = parser.add_mutually_exclusive_group()
+    examples.add_argument(
         "--no-examples",
         action="store_true",
         help="the answers without the profile's example exchanges (reasoning.examples)",
+    )
+    examples.add_argument(
+        "--examples-file",
+        type=Path,
+        help="a YAML list of {user, assistant} exchanges instead of the profile's",
     )
     parser.add_argument("--no-wer", action="store_true", help="skip the word error rates")
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
@@ -468,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = encoder_settings(text)
         if args.no_examples:
             settings["reasoning.examples"] = []
+        elif args.examples_file is not None:
+            settings["reasoning.examples"] = yaml.safe_load(args.examples_file.read_text())
         results["encoders"].append(
             asyncio.run(run_encoder(args.config, settings, questions, said, with_answers, judge))
         )

@@ -30,8 +30,8 @@ __all__ = ["BatchedTower"]
 
 class BatchedTower:
     """An AudioTower whose `rows` may be called from many threads at once: the calls that
-    wait together share one pass of at most `max_windows`. `close` fails the calls still
-    waiting (a stage stopping)."""
+    wait together share one pass of at most `max_windows`. `close` (the stage stopping) lets
+    the windows already asked for through and refuses any later call."""
 
     def __init__(
         self,
@@ -92,7 +92,6 @@ class BatchedTower:
             self._pass(batch)
             if stop:
                 break
-        self._fail_waiting()
 
     def _pass(self, batch: list[tuple[np.ndarray, concurrent.futures.Future[np.ndarray]]]) -> None:
         started = time.monotonic()
@@ -108,12 +107,3 @@ class BatchedTower:
         self.log.add(len(batch), time.monotonic() - started)
         for (_, done), window_rows in zip(batch, rows, strict=True):
             done.set_result(window_rows)
-
-    def _fail_waiting(self) -> None:
-        while True:
-            try:
-                item = self._waiting.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                item[1].set_exception(RuntimeError("the encoder stage is stopping"))
