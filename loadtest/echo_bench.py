@@ -50,6 +50,7 @@ from loadtest.bench import describe_machine, log, publish, summary
 from loadtest.offline_quality import errors
 from loadtest.phone import PhoneCall
 from loadtest.speakerphone import EchoSettings, Speakerphone
+from loadtest.tap import phone_session, tapped_gateway, user_transcripts
 
 ROOT = Path(__file__).parents[1]
 # Split once: the canceller's thresholds (gateway.echo.ResidualEcho) and its far end's
@@ -100,19 +101,6 @@ def counters(gateway: Any) -> dict[str, float]:
     return {
         k: registry.get_sample_value(name, labels) or 0.0 for k, (name, labels) in samples.items()
     }
-
-
-def the_session(gateway: Any) -> Any:
-    calls = [c for c in gateway.calls.values() if c.call_id.startswith("tel")]
-    return calls[-1] if calls else None
-
-
-def user_transcripts(session: Any) -> list[str]:
-    out = []
-    for item in session.items:
-        if item.role == "user" and item.content:
-            out.append(item.content[0].get("transcript") or "")
-    return out
 
 
 async def until(predicate: Any, timeout: float, step: float = 0.02) -> bool:
@@ -183,7 +171,7 @@ async def condition(
                 lambda s=spoke: time.monotonic() - s >= BARGE_IN_AFTER_S and audible(phone), 5
             )
             clears = len(phone.clears)
-            session = the_session(gateway)
+            session = phone_session(gateway)
             heard_before = len(user_transcripts(session))
             n = phone.say(spoken(words, 8000))
             await phone.until_said(n)
@@ -237,8 +225,6 @@ def condition_figures(run: dict[str, Any]) -> dict[str, Any]:
 async def quality(
     config: Any, supervisor: Any, cancel: bool, conditions: list[EchoSettings | None], args: Any
 ) -> dict[str, Any]:
-    from loadtest.tap import tapped_gateway
-
     out = {}
     async with tapped_gateway(config, supervisor) as (base, gateway, _):
         url = base.replace("http", "ws") + "/v1/telephony/twilio"
@@ -329,8 +315,7 @@ def cost(args: Any, cancel: bool, echo: EchoSettings) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     rows = [
         "| canceller | echo | self-interrupted replies | barge-ins missed (over silence, apart) "
-        "| onset → agent "
-        "silent p50 / p95 ms | WER of the words over the agent |",
+        "| onset → agent silent p50 / p95 ms | WER of the words over the agent |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for variant, conditions in report["quality"].items():

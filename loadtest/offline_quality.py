@@ -263,31 +263,20 @@ async def phone_transcripts(base: str, gateway: Any, clips8k: list[np.ndarray]) 
     """What the gateway heard over the phone (8 kHz μ-law, its G.711 path), one clip a turn;
     the phone's profile answers nothing (the run's `gateway.telephony.profiles`)."""
     from loadtest.phone import PhoneCall
+    from loadtest.tap import phone_session, user_transcripts
 
     url = base.replace("http", "ws") + "/v1/telephony/twilio"
     async with PhoneCall.dial(url) as phone:
-        session = await _until_value(lambda: _phone_session(gateway), 10)
+        session = await _until_value(lambda: phone_session(gateway), 10)
         heard: list[str] = []
         for clip in clips8k:
-            before = len(_transcribed(session))
+            before = len(user_transcripts(session))
             await phone.until_said(phone.say(clip))
-            done = await _until_value(lambda b=before: (_transcribed(session)[b:] or [None])[0], 60)
+            done = await _until_value(
+                lambda b=before: (user_transcripts(session)[b:] or [None])[0], 60
+            )
             heard.append(done or "")
         return heard
-
-
-def _phone_session(gateway: Any) -> Any:
-    calls = [c for c in gateway.calls.values() if c.call_id.startswith("tel")]
-    return calls[-1] if calls else None
-
-
-def _transcribed(session: Any) -> list[str]:
-    """The caller's transcripts so far, in order."""
-    return [
-        item.content[0]["transcript"]
-        for item in session.items
-        if item.role == "user" and item.content and item.content[0].get("transcript") is not None
-    ]
 
 
 async def _until_value(read: Any, timeout: float) -> Any:

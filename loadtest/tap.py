@@ -164,3 +164,19 @@ async def calls_gone(gateway: Any, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while open_sessions(gateway) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)  # polling the gateways' bookkeeping between loads
+
+
+def phone_session(gateway: Any) -> Any:
+    """The in-process gateway's latest phone call (None before one has started)."""
+    calls = [c for c in gateway.calls.values() if c.call_id.startswith("tel")]
+    return calls[-1] if calls else None
+
+
+def user_transcripts(session: Any) -> list[str]:
+    """A session's caller transcripts so far, in order (a turn still being transcribed is
+    not among them)."""
+    return [
+        item.content[0]["transcript"]
+        for item in session.items
+        if item.role == "user" and item.content and item.content[0].get("transcript") is not None
+    ]

@@ -379,17 +379,15 @@ class UltravoxTower:
         import torch
 
         mels = [self._mel(audio) for audio in audios]
-        out: list[np.ndarray | None] = [None] * len(mels)
         by_length: dict[int, list[int]] = collections.defaultdict(list)
         for i, mel in enumerate(mels):
             by_length[mel.shape[-1]].append(i)
+        out: dict[int, np.ndarray] = {}
         with torch.inference_mode():
             for same in by_length.values():
-                for i, rows in zip(
-                    same, self._pass(torch.stack([mels[i] for i in same])), strict=True
-                ):
-                    out[i] = rows
-        return [rows for rows in out if rows is not None]
+                batch = torch.stack([mels[i] for i in same])
+                out.update(zip(same, self._pass(batch), strict=True))
+        return [out[i] for i in range(len(mels))]
 
     def _pass(self, mel: Any) -> list[np.ndarray]:
         """The rows of a (windows, mels, frames) batch of equal windows."""
