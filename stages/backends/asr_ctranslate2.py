@@ -47,6 +47,7 @@ def load_ctranslate2_whisper(
     cpu_threads: int = 1,
     workers: int = 1,
     beam_size: int = 1,
+    initial_prompt: str | None = None,
     warmup: bool = True,
     **unknown: Any,
 ) -> CTranslate2Whisper:
@@ -54,14 +55,27 @@ def load_ctranslate2_whisper(
 
     ``compute_type``: int8 on the CPU and float16 on CUDA unless given. ``cpu_threads``: the
     threads one decode uses; ``workers``: decodes that may run at once (each with its own
-    threads). ``language``: None detects it (multilingual models only). ``warmup``: one decode
-    now, so the first turn is not slow.
+    threads). ``language``: None detects it (multilingual models only). ``initial_prompt``:
+    text Whisper reads as what was said before each turn (its style and words are taken as
+    likelier). ``warmup``: one decode now, so the first turn is not slow.
     """
     reject_unknown_options(
         "ctranslate2 whisper",
         unknown,
-        ("language", "compute_type", "cpu_threads", "workers", "beam_size", "warmup"),
+        (
+            "language",
+            "compute_type",
+            "cpu_threads",
+            "workers",
+            "beam_size",
+            "initial_prompt",
+            "warmup",
+        ),
     )
+    if initial_prompt is not None and not isinstance(initial_prompt, str):
+        raise SpeechOptionError(
+            f"ctranslate2 whisper option initial_prompt={initial_prompt!r} must be text"
+        )
     for name, value in (
         ("cpu_threads", cpu_threads),
         ("workers", workers),
@@ -101,6 +115,7 @@ def load_ctranslate2_whisper(
         partial_interval_ms=partial_interval_ms,
         language=language if whisper.model.is_multilingual else None,
         beam_size=beam_size,
+        initial_prompt=initial_prompt or None,
     )
     if warmup:
         recognizer.transcribe(np.zeros(CALLER_RATE // 2, np.int16))
@@ -129,8 +144,10 @@ class CTranslate2Whisper:
         partial_interval_ms: int,
         language: str | None,
         beam_size: int,
+        initial_prompt: str | None = None,
     ) -> None:
         self._model = model
+        self._initial_prompt = initial_prompt
         self.partial_interval_ms = partial_interval_ms
         self._language = language
         self._beam_size = beam_size
@@ -152,6 +169,7 @@ class CTranslate2Whisper:
             max_new_tokens=TOKENS_AT_LEAST + int(TOKENS_A_SECOND * seconds),
             without_timestamps=True,
             condition_on_previous_text=False,
+            initial_prompt=self._initial_prompt,
             vad_filter=False,
         )
         text = " ".join(segment.text.strip() for segment in segments).strip()

@@ -70,6 +70,18 @@ def test_a_turn_streams_partials_and_its_final_transcript(whisper, make_speech) 
     assert peeked == final and words(final) == words(speech.text), final
 
 
+def test_an_initial_prompt_is_read_before_the_turn_not_heard_in_it(piper) -> None:
+    text = "Would you like to book a table for two people tonight?"
+    prompted = load_ctranslate2_whisper(
+        bundled.resolve("bundled:whisper-tiny.en"),
+        initial_prompt="A caller asks the agent a short question.",
+        warmup=False,
+    )
+    audio = resample(np.concatenate(list(piper.synthesize(text))), piper.sample_rate, 16000)
+    heard = prompted.transcribe(audio)
+    assert words(heard) == words(text), heard
+
+
 def test_the_piper_voice_stops_between_sentences_when_asked(piper) -> None:
     text = "One sentence here. Another one there. And a third to end with."
     asked = []
@@ -86,6 +98,8 @@ def test_the_piper_voice_stops_between_sentences_when_asked(piper) -> None:
 def test_bad_options_and_paths_are_named(tmp_path) -> None:
     with pytest.raises(SpeechOptionError, match="cpu_threads"):
         load_ctranslate2_whisper(bundled.resolve("bundled:whisper-tiny.en"), cpu_threads=0)
+    with pytest.raises(SpeechOptionError, match="initial_prompt=3 must be text"):
+        load_ctranslate2_whisper(bundled.resolve("bundled:whisper-tiny.en"), initial_prompt=3)
     with pytest.raises(SpeechOptionError, match="unknown piper option 'speed'"):
         load_piper(bundled.resolve("bundled:piper-en_US-joe-medium"), speed=2)
     with pytest.raises(SpeechModelNotFoundError, match=r"no voice\.onnx\.json beside it"):
