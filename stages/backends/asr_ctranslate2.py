@@ -4,11 +4,11 @@ Loads any Whisper model in CTranslate2's format: a local folder (config.json, mo
 tokenizer.json), the bundled Whisper tiny.en (`bundled:whisper-tiny.en`, stages.backends.
 bundled), or a Hugging Face id where downloads work. A turn is a stream of windows re-decoded
 for partials, as with the transformers backend (stages.backends.whisper_stream). Decodes are
-greedy, with no temperature fallback and no timestamps: a turn is short, and a retry at a
-higher temperature would double a slow decode (on 2 cores it settled an interruption too late
-to count). Whisper sometimes falls into a loop ("Wait, how much? No, no, no, no, ..."), most on
-the smaller models and on damaged speech: a decode never runs longer than its audio could hold
-words, so a loop costs a few tokens, not Whisper's 448.
+at temperature 0 (greedy, or a beam), with no temperature fallback and no timestamps: a turn
+is short, and a retry at a higher temperature would double a slow decode (on 2 cores it
+settled an interruption too late to count). Whisper sometimes falls into a loop ("Wait, how
+much? No, no, no, no, ..."), most on the smaller models and on damaged speech: a decode never
+runs longer than its audio could hold words, so a loop costs a few tokens, not Whisper's 448.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 COMPUTE_TYPES = ("default", "int8", "int8_float16", "int8_float32", "float16", "float32")
 WINDOW_S = 30  # Whisper's input window
+FRAMES_A_SECOND = 100  # its mel frames
+NO_SPEECH, LOW_LOGPROB = 0.6, -1.0  # faster-whisper's thresholds for a silent segment
 # tokens a decode may make: fast speech is 4-5 tokens a second; a loop stops here
 TOKENS_A_SECOND, TOKENS_AT_LEAST = 8, 16
 
@@ -48,6 +50,7 @@ def load_ctranslate2_whisper(
     workers: int = 1,
     beam_size: int = 1,
     initial_prompt: str | None = None,
+    pad_to_s: float = WINDOW_S,
     warmup: bool = True,
     **unknown: Any,
 ) -> CTranslate2Whisper:
@@ -57,7 +60,8 @@ def load_ctranslate2_whisper(
     threads one decode uses; ``workers``: decodes that may run at once (each with its own
     threads). ``language``: None detects it (multilingual models only). ``initial_prompt``:
     text Whisper reads as what was said before each turn (its style and words are taken as
-    likelier). ``warmup``: one decode now, so the first turn is not slow.
+    likelier). ``pad_to_s``: the shortest input Whisper's encoder reads, a turn padded to it
+    (CTranslate2Whisper). ``warmup``: one decode now, so the first turn is not slow.
     """
     reject_unknown_options(
         "ctranslate2 whisper",
@@ -69,9 +73,18 @@ def load_ctranslate2_whisper(
             "workers",
             "beam_size",
             "initial_prompt",
+            "pad_to_s",
             "warmup",
         ),
     )
+    if (
+        isinstance(pad_to_s, bool)
+        or not isinstance(pad_to_s, int | float)
+        or not 1 <= pad_to_s <= WINDOW_S
+    ):
+        raise SpeechOptionError(
+            f"ctranslate2 whisper option pad_to_s={pad_to_s!r} must be 1..{WINDOW_S} (seconds)"
+        )
     if initial_prompt is not None and not isinstance(initial_prompt, str):
         raise SpeechOptionError(
             f"ctranslate2 whisper option initial_prompt={initial_prompt!r} must be text"
@@ -116,6 +129,7 @@ def load_ctranslate2_whisper(
         language=language if whisper.model.is_multilingual else None,
         beam_size=beam_size,
         initial_prompt=initial_prompt or None,
+        pad_to_s=pad_to_s,
     )
     if warmup:
         recognizer.transcribe(np.zeros(CALLER_RATE // 2, np.int16))
@@ -131,7 +145,15 @@ def load_ctranslate2_whisper(
 
 
 class CTranslate2Whisper:
-    """A loaded CTranslate2 Whisper model; streams share it."""
+    """A loaded CTranslate2 Whisper model; streams share it.
+
+    A turn's decode is faster-whisper's at temperature 0 for one segment (its prompt, its
+    suppressed tokens, its no-speech rule), with one difference: Whisper's encoder reads the
+    turn padded to `pad_to_s`, not always to 30 s. Its cost grows with its input, and a turn is
+    a few seconds: on 2 cores tiny.en's encoder took about 440 ms for 30 s and 170 ms for 10.
+    Whisper was trained on 30 s inputs; padded only to the end of the speech it loops (says the
+    question twice), so a turn still gets several seconds of padding (docs/lab-notes.md,
+    "Whisper's input, padded to less than 30 s")."""
 
     name = "ctranslate2"
     sample_rate = CALLER_RATE
@@ -145,13 +167,34 @@ class CTranslate2Whisper:
         language: str | None,
         beam_size: int,
         initial_prompt: str | None = None,
+        pad_to_s: float = WINDOW_S,
     ) -> None:
+        from faster_whisper.tokenizer import Tokenizer
+
         self._model = model
-        self._initial_prompt = initial_prompt
         self.partial_interval_ms = partial_interval_ms
-        self._language = language
         self._beam_size = beam_size
+        self._pad_frames = min(round(pad_to_s * FRAMES_A_SECOND), WINDOW_S * FRAMES_A_SECOND)
+        self._multilingual = bool(model.model.is_multilingual)
+        self._language = language
+        self._tokenizers: dict[str | None, Any] = {}
+        self._make_tokenizer = lambda lang: Tokenizer(
+            model.hf_tokenizer, self._multilingual, task="transcribe", language=lang
+        )
+        # Whisper's context holds 448 tokens: the prompt keeps at most half of them
+        half = model.max_length // 2 - 1
+        tokenizer = self._tokenizer(language or "en")
+        self._before = (
+            [tokenizer.sot_prev, *tokenizer.encode(" " + initial_prompt.strip())[-half:]]
+            if initial_prompt
+            else []
+        )
         self.passes = PassLog("ctranslate2 whisper", "decodes")
+
+    def _tokenizer(self, language: str | None) -> Any:
+        if language not in self._tokenizers:
+            self._tokenizers[language] = self._make_tokenizer(language)
+        return self._tokenizers[language]
 
     def open_stream(self) -> WhisperStream:
         return WhisperStream(self)
@@ -159,19 +202,41 @@ class CTranslate2Whisper:
     def transcribe(self, pcm16: np.ndarray) -> str:
         """Up to one window of 16 kHz int16 audio as text (thread-safe: CTranslate2 queues
         decodes beyond its workers)."""
+        from faster_whisper.audio import pad_or_trim
+        from faster_whisper.transcribe import get_suppressed_tokens
+
         started = time.perf_counter()
-        seconds = min(len(pcm16), self.window_samples) / CALLER_RATE
-        segments, _ = self._model.transcribe(
-            pcm16_to_float(pcm16),
-            language=self._language,
+        pcm16 = pcm16[: self.window_samples]
+        seconds = len(pcm16) / CALLER_RATE
+        features = self._model.feature_extractor(pcm16_to_float(pcm16))
+        content = features[:, : features.shape[-1] - 1]  # faster-whisper's last frame dropped
+        encoded = self._model.encode(pad_or_trim(content, max(content.shape[-1], self._pad_frames)))
+        language = self._language
+        if self._multilingual and language is None:
+            ((best, _), *_) = self._model.model.detect_language(encoded)[0]
+            language = best[2:-2]  # "<|en|>"
+        tokenizer = self._tokenizer(language if self._multilingual else "en")
+        prompt = [*self._before, *tokenizer.sot_sequence, tokenizer.no_timestamps]
+        result = self._model.model.generate(
+            encoded,
+            [prompt],
             beam_size=self._beam_size,
-            temperature=0.0,
-            max_new_tokens=TOKENS_AT_LEAST + int(TOKENS_A_SECOND * seconds),
-            without_timestamps=True,
-            condition_on_previous_text=False,
-            initial_prompt=self._initial_prompt,
-            vad_filter=False,
-        )
-        text = " ".join(segment.text.strip() for segment in segments).strip()
+            patience=1,
+            length_penalty=1,
+            max_length=min(
+                len(prompt) + TOKENS_AT_LEAST + int(TOKENS_A_SECOND * seconds),
+                self._model.max_length,
+            ),
+            return_scores=True,
+            return_no_speech_prob=True,
+            suppress_blank=True,
+            suppress_tokens=get_suppressed_tokens(tokenizer, [-1]),
+            max_initial_timestamp_index=50,
+        )[0]
+        tokens = result.sequences_ids[0]
+        average_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)
+        # faster-whisper's rule for a segment that is silence: both unlikely speech and words
+        silence = result.no_speech_prob > NO_SPEECH and average_logprob < LOW_LOGPROB
+        text = "" if silence else tokenizer.decode(tokens).strip()
         self.passes.add(1, time.perf_counter() - started)
         return text

@@ -82,6 +82,25 @@ def test_an_initial_prompt_is_read_before_the_turn_not_heard_in_it(piper) -> Non
     assert words(heard) == words(text), heard
 
 
+def test_a_turn_decodes_as_faster_whisper_does_and_hears_it_padded_to_less(whisper, piper):
+    text = "Hello, my name is Doctor Elizabeth Johnson. How can I help?"
+    audio = resample(np.concatenate(list(piper.synthesize(text))), piper.sample_rate, 16000)
+    segments, _ = whisper._model.transcribe(
+        audio.astype(np.float32) / 32768,
+        temperature=0.0,
+        beam_size=1,
+        without_timestamps=True,
+        condition_on_previous_text=False,
+        vad_filter=False,
+    )
+    assert whisper.transcribe(audio) == " ".join(s.text.strip() for s in segments).strip()
+    padded = load_ctranslate2_whisper(
+        bundled.resolve("bundled:whisper-tiny.en"), pad_to_s=10, warmup=False
+    )
+    assert words(padded.transcribe(audio)) == words(text)
+    assert padded.transcribe(np.zeros(16000, np.int16)) == ""  # silence is no words
+
+
 def test_the_piper_voice_stops_between_sentences_when_asked(piper) -> None:
     text = "One sentence here. Another one there. And a third to end with."
     asked = []
@@ -98,6 +117,8 @@ def test_the_piper_voice_stops_between_sentences_when_asked(piper) -> None:
 def test_bad_options_and_paths_are_named(tmp_path) -> None:
     with pytest.raises(SpeechOptionError, match="cpu_threads"):
         load_ctranslate2_whisper(bundled.resolve("bundled:whisper-tiny.en"), cpu_threads=0)
+    with pytest.raises(SpeechOptionError, match=r"pad_to_s=0.5 must be 1..30"):
+        load_ctranslate2_whisper(bundled.resolve("bundled:whisper-tiny.en"), pad_to_s=0.5)
     with pytest.raises(SpeechOptionError, match="initial_prompt=3 must be text"):
         load_ctranslate2_whisper(bundled.resolve("bundled:whisper-tiny.en"), initial_prompt=3)
     with pytest.raises(SpeechOptionError, match="unknown piper option 'speed'"):
