@@ -12,11 +12,14 @@ is `PlayedAudio`: what the caller was played, on the gateway's clock, silence in
 far-end frame for each of the caller's. The transports know when it played: WebRTC from its
 playout clock, the phone from its send-ahead window and the marks Twilio echoes, a WebSocket
 client from when its audio was sent. What AEC3 lets through when the echo path moves,
-`ResidualEcho` finds and brings down.
+`ResidualEcho` finds and brings down. With no echo in the microphone (a headset, a handset),
+AEC3's suppressor takes words the caller says over the agent for echo, so a second module
+without the canceller runs beside it, and its output is used while `EchoPath` finds no echo.
 
-`audio_processing` is the decision (which processing a session gets); `EchoCanceller` is the
-plumbing. A 10 ms frame costs about 65 µs (both directions), about 1% of a core a call; the
-module's calls run on one thread of their own (`worker`), not the event loop.
+`audio_processing` and `EchoPath` are the decisions (which processing a session gets, and
+whether its microphone hears the agent); `EchoCanceller` is the plumbing. A 10 ms frame costs
+about 120 µs (both modules, both directions; 85 with one), about 1.2% of a core a call; the
+modules' calls run on one thread of their own (`worker`), not the event loop.
 """
 
 from __future__ import annotations
@@ -34,7 +37,14 @@ import numpy as np
 from gateway.resample import Upsampler
 from stages.messages import CALLER_RATE
 
-__all__ = ["AudioProcessing", "EchoCanceller", "PlayedAudio", "audio_processing", "worker"]
+__all__ = [
+    "AudioProcessing",
+    "EchoCanceller",
+    "EchoPath",
+    "PlayedAudio",
+    "audio_processing",
+    "worker",
+]
 
 FRAME = CALLER_RATE // 100  # 10 ms: the only frame the module takes
 # The far end is taken this far behind the caller's audio's arrival: what the transport
@@ -46,6 +56,7 @@ MAX_LAG = CALLER_RATE // 10  # the far end this far behind its place is placed a
 SILENT_DBFS = -100.0
 RECENT_FRAMES = 50  # the far end's last half second, for ResidualEcho
 LEAK_GAIN = 10 ** (-30 / 20)  # a frame of leaked echo is brought 30 dB down
+AEC3_DELAY = 128  # samples: how much later the echo canceller's output comes than without it
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,85 @@ class ResidualEcho:
             and heard_dbfs - left_dbfs >= self.cancelled_db
             and played_dbfs - left_dbfs >= self.below_far_db
         )
+
+
+class EchoPath:
+    """Whether the caller's microphone hears the agent at all: a speakerphone or a car kit
+    does, a headset or a handset with its own canceller does not. AEC3 cannot be left to
+    tell: with no echo to find, its suppressor can still take the caller's words over the
+    agent for echo (docs/lab-notes.md, "Echo cancelling: no echo path"), so the canceller's
+    output is used only while there is an echo path.
+
+    The evidence is the microphone's floor rising some delay after the agent played: over
+    the last `WINDOW` 10 ms frames, at each of the delays AEC3 covers, a low percentile of
+    the microphone's level on frames whose far end (that delay earlier) was loud, less a
+    lower one where it was quiet. Percentiles, not means: the caller talks mostly in the
+    agent's pauses and sometimes over it, which moves a mean by several dB (a real echo
+    10 dB down rose only 4.7 dB so), but not the quietest part of either set unless they
+    talk through most of it. Until the first judgement the path is taken to be there, which
+    keeps the agent from interrupting itself at its first reply; between the two thresholds
+    the last judgement stands."""
+
+    WINDOW = 600  # frames: 6 s
+    LAGS = np.arange(0, 41, 2)  # frames: delays of 0-400 ms, in 20 ms steps (the room smears)
+    EVERY = 50  # frames between two judgements
+    SEEN = 100  # frames of the far end loud, and of it quiet, in the window at a delay
+    # the far end's frame: loud (an echo 20 dB down still over a quiet room), quiet
+    LOUD_DBFS, QUIET_DBFS = -30.0, -70.0
+    FLOOR_DBFS = -80.0  # levels under this count as this: digital silence is no quieter
+    LOUD_QUANTILE, QUIET_QUANTILE = 0.25, 0.1  # the caller talks more in the pauses
+    PRESENT_DB, ABSENT_DB = 6.0, 3.0  # a rise from which the path is there / gone
+
+    def __init__(self) -> None:
+        self.present = True
+        self.rise_db: float | None = None  # the last judgement's
+        span = self.WINDOW + int(self.LAGS[-1])
+        # ring buffers, oldest at `_next`; a far end not seen yet is neither loud nor quiet
+        self._far = np.full(span, np.nan)
+        self._mic = np.full(span, self.FLOOR_DBFS)
+        self._next = 0
+        self._frames = 0
+
+    def add(self, far_dbfs: float, mic_dbfs: float) -> bool:
+        """One 10 ms frame: the far end's level and the microphone's, before processing.
+        Returns whether there is an echo path now."""
+        self._far[self._next] = max(far_dbfs, self.FLOOR_DBFS)
+        self._mic[self._next] = max(mic_dbfs, self.FLOOR_DBFS)
+        self._next = (self._next + 1) % len(self._far)
+        self._frames += 1
+        if self._frames % self.EVERY == 0:
+            self._judge()
+        return self.present
+
+    def _judge(self) -> None:
+        far = np.roll(self._far, -self._next)
+        mic = np.roll(self._mic, -self._next)[-self.WINDOW :]
+        # row k: the far end LAGS[k] frames before each of the window's microphone frames
+        windows = np.lib.stride_tricks.sliding_window_view(far, self.WINDOW)
+        at_lag = windows[int(self.LAGS[-1]) - self.LAGS]
+        loud, n_loud = self._floor(mic, at_lag > self.LOUD_DBFS, self.LOUD_QUANTILE)
+        quiet, n_quiet = self._floor(mic, at_lag < self.QUIET_DBFS, self.QUIET_QUANTILE)
+        if min(n_loud.min(), n_quiet.min()) < self.SEEN:
+            # too little of the agent, or of its pauses, at some delay to go on (the delays
+            # that have enough may all be wrong ones): the last judgement stands
+            return
+        best = float(np.max(loud - quiet))
+        self.rise_db = best
+        if best >= self.PRESENT_DB:
+            self.present = True
+        elif best < self.ABSENT_DB:
+            self.present = False
+
+    @staticmethod
+    def _floor(
+        mic: np.ndarray, chosen: np.ndarray, quantile: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's `quantile` of the microphone's levels where `chosen`, and how many."""
+        n = chosen.sum(axis=1)
+        levels = np.where(chosen, mic, np.inf)
+        levels.sort(axis=1)
+        at = (quantile * np.maximum(n - 1, 0)).astype(int)
+        return levels[np.arange(len(levels)), at], n
 
 
 def level_dbfs(pcm: np.ndarray) -> float:
@@ -205,12 +295,14 @@ class EchoCanceller:
         self.processing = processing
         self.played = played if processing.echo else None
         self._frame = rtc.AudioFrame
-        self._module: Any = rtc.AudioProcessingModule(
-            echo_cancellation=processing.echo,
-            noise_suppression=processing.noise,
-            high_pass_filter=True,
-            auto_gain_control=False,  # the level must not move under the recognisers
-        )
+        # two modules on every frame: the whole processing, whose output is used while there
+        # is an echo path (EchoPath), and the same without the echo canceller, used while
+        # there is none; both run throughout, so either is ready (AEC3 adapted, the noise
+        # suppressor's estimate current) when the judgement changes
+        self._echo: Any = self._module(rtc, processing, echo=True) if processing.echo else None
+        self._clean: Any = self._module(rtc, processing, echo=False)
+        self.echo_path = EchoPath()
+        self._clean_held = np.zeros(AEC3_DELAY, np.int16)
         self._rest = np.zeros(0, np.int16)
         self.residual = ResidualEcho()
         self._played_levels: collections.deque[float] = collections.deque(
@@ -243,23 +335,50 @@ class EchoCanceller:
         out = np.empty(len(pcm), np.int16)
         for i in range(0, len(pcm), FRAME):
             heard = pcm[i : i + FRAME]
-            if far is not None:  # each frame's far end just before it
-                self._played_levels.append(level_dbfs(far[i : i + FRAME]))
-                self._module.process_reverse_stream(self._audio_frame(far[i : i + FRAME]))
             frame = self._audio_frame(heard)
-            self._module.process_stream(frame)  # in place
-            left = np.frombuffer(frame.data, np.int16)
-            # the module's output is 10-15 ms behind its input: a frame out is weighed
-            # against the loudest of the last three frames in
-            self._heard.append(level_dbfs(heard))
-            if far is not None and self.residual.only_echo(
-                max(self._heard), level_dbfs(left), max(self._played_levels)
-            ):
-                left = (left * LEAK_GAIN).astype(np.int16)
-                self.echo_frames += 1
-            out[i : i + FRAME] = left
+            self._clean.process_stream(frame)  # in place
+            clean = np.frombuffer(frame.data, np.int16)
+            if far is None or self._echo is None:
+                out[i : i + FRAME] = clean
+                continue
+            # AEC3 holds its output back AEC3_DELAY samples more: the clean output is held
+            # as long, so that a frame of the one follows a frame of the other seamlessly
+            held = np.concatenate([self._clean_held, clean])
+            self._clean_held = held[FRAME:]
+            cancelled, present = self._cancel_echo(heard, far[i : i + FRAME])
+            out[i : i + FRAME] = cancelled if present else held[:FRAME]
         self.busy_s += time.perf_counter() - started
         return out
+
+    def _cancel_echo(self, heard: np.ndarray, far: np.ndarray) -> tuple[np.ndarray, bool]:
+        """One frame through the echo's module, with its far end just before it (always: the
+        module keeps step with the echo path even while its output is not used), and
+        whether its output is the one to use: whether there is an echo path."""
+        played = level_dbfs(far)
+        self._played_levels.append(played)
+        self._echo.process_reverse_stream(self._audio_frame(far))
+        frame = self._audio_frame(heard)
+        self._echo.process_stream(frame)  # in place
+        left = np.frombuffer(frame.data, np.int16)
+        heard_level = level_dbfs(heard)
+        present = self.echo_path.add(played, heard_level)
+        # the module's output is 10-15 ms behind its input: a frame out is weighed
+        # against the loudest of the last three frames in
+        self._heard.append(heard_level)
+        if present and self.residual.only_echo(
+            max(self._heard), level_dbfs(left), max(self._played_levels)
+        ):
+            left = (left * LEAK_GAIN).astype(np.int16)
+            self.echo_frames += 1
+        return left, present
+
+    def _module(self, rtc: Any, processing: AudioProcessing, echo: bool) -> Any:
+        return rtc.AudioProcessingModule(
+            echo_cancellation=echo,
+            noise_suppression=processing.noise,
+            high_pass_filter=True,
+            auto_gain_control=False,  # the level must not move under the recognisers
+        )
 
     def _audio_frame(self, pcm: np.ndarray) -> Any:
         # exactly 10 ms: another length aborts the whole process inside the module
