@@ -3,7 +3,7 @@ back into their microphone, late, quieter, through a room, under noise), over th
 endpoint and over WebRTC with the gateway's client, against the tiny profile's real stages
 (pocketsphinx, vLLM on the tiny model, espeak-ng). Without the echo canceller the agent hears
 itself; with it, it finishes its replies, a real barge-in still cuts it, and the caller's words
-over the agent are still transcribed."""
+over the agent are still transcribed; a caller with no echo path is found to have none."""
 
 from __future__ import annotations
 
@@ -118,6 +118,7 @@ async def test_on_the_phone_the_canceller_lets_the_agent_finish_and_hears_a_barg
                 await asyncio.sleep(0.05)
         assert speech_started(app) == heard_before, "the agent's echo was heard as speech"
         assert not phone.clears
+        assert call.echo.echo_path.present  # its echo found, the caller's turn notwithstanding
         # a real barge-in over the agent (and its echo): cut, and its words transcribed
         phone.say(speech8k(make_speech, BARGE_IN))
         async with asyncio.timeout(15):
@@ -129,6 +130,22 @@ async def test_on_the_phone_the_canceller_lets_the_agent_finish_and_hears_a_barg
             while len(words := user_words(call)) < 2:
                 await asyncio.sleep(0.05)
         assert words[1] & set(BARGE_IN.split()), words
+
+
+async def test_on_the_phone_with_no_echo_path_the_canceller_steps_aside(
+    server, make_speech
+) -> None:
+    """A handset or a headset on the phone, whose default is the canceller: once the agent has
+    played, the microphone is found to hear none of it, and AEC3's output is no longer used
+    (its suppressor would take the caller's words over the agent for echo)."""
+    base, app = server
+    async with PhoneCall.dial(phone_url(base), {"profile": "long"}) as phone:
+        seen = await phone_reply(app, phone, make_speech)
+        echo = the_call(app, "tel").echo
+        assert echo is not None and echo.processing.echo  # the phone's default
+        assert echo.echo_path.rise_db is not None, "the agent's reply was too short to judge"
+        assert not echo.echo_path.present, echo.echo_path.rise_db
+    assert seen == {"speech_started": 0, "clears": 0}, seen
 
 
 def user_words(call) -> list[set[str]]:
