@@ -310,6 +310,8 @@ class EchoCanceller:
         )
         self._heard: collections.deque[float] = collections.deque(maxlen=3)  # frames in
         self.echo_frames = 0  # frames found to be only echo (ResidualEcho), brought down
+        self.frames = 0  # frames out, and of them, those of the module without the canceller
+        self.clean_frames = 0  # while there was a far end but no echo path (EchoPath)
         self.busy_s = 0.0
         self.counted_s = 0.0  # of busy_s, what the session has counted in its metrics
 
@@ -347,6 +349,8 @@ class EchoCanceller:
             self._clean_held = held[FRAME:]
             cancelled, present = self._cancel_echo(heard, far[i : i + FRAME])
             out[i : i + FRAME] = cancelled if present else held[:FRAME]
+            self.clean_frames += not present
+        self.frames += len(pcm) // FRAME
         self.busy_s += time.perf_counter() - started
         return out
 

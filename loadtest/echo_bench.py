@@ -19,7 +19,9 @@ echo at all, the reference. In each condition one call:
   plays: missed if no `clear` came within 5 s; the time from the interruption's onset (its
   first voiced frame sent) to the agent silent at the phone (its last voiced frame played),
   left out where the agent was between phrases at the onset; the interruption's transcript
-  against its text (word error rate; the reference is the same speech with no echo).
+  against its text (word error rate; the reference is the same speech with no echo);
+- with the canceller on, what it judged of the call's echo path by the end
+  (gateway.echo.EchoPath) and the share of frames that took the output without AEC3.
 The questions and interruptions are split once (`--part`): the canceller's thresholds were set
 on calls of the tuning part; the test part is reported.
 
@@ -201,7 +203,22 @@ async def condition(
                 }
             )
             log(f"  barge-in {words!r}: {barge[-1]}")
-    return {"replies": stopped, "barge_ins": barge}
+        path = echo_path(phone_session(gateway))
+    return {"replies": stopped, "barge_ins": barge, "echo_path": path}
+
+
+def echo_path(session: Any) -> dict[str, Any] | None:
+    """What the call's canceller judged of its echo path (gateway.echo.EchoPath) by its end,
+    and the share of its frames that took the output without AEC3 (None: no canceller)."""
+    canceller = getattr(session, "echo", None)
+    if canceller is None or not canceller.processing.echo:
+        return None
+    path = canceller.echo_path
+    return {
+        "present": path.present,
+        "rise_db": None if path.rise_db is None else round(path.rise_db, 1),
+        "frames_without_aec3": round(canceller.clean_frames / max(canceller.frames, 1), 3),
+    }
 
 
 def condition_figures(run: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +236,7 @@ def condition_figures(run: dict[str, Any]) -> dict[str, Any]:
         "barge_ins_over_silence": len(every) - len(barge),
         "onset_to_silent_ms": summary(silent, 50, 95),
         "wer": round(sum(b["edits"] for b in every) / words, 4) if words else None,
+        "echo_path": run.get("echo_path"),
     }
 
 
@@ -312,11 +330,19 @@ def cost(args: Any, cancel: bool, echo: EchoSettings) -> dict[str, Any]:
 # -- the report ------------------------------------------------------------------------------
 
 
+def path_cell(path: dict[str, Any] | None) -> str:
+    if path is None:
+        return "-"
+    judged = "there" if path["present"] else "none"
+    return f"{judged} ({path['rise_db']}), {path['frames_without_aec3']:.0%}"
+
+
 def table(report: dict[str, Any]) -> str:
     rows = [
         "| canceller | echo | self-interrupted replies | barge-ins missed (over silence, apart) "
-        "| onset → agent silent p50 / p95 ms | WER of the words over the agent |",
-        "|---|---|---:|---:|---:|---:|",
+        "| onset → agent silent p50 / p95 ms | WER of the words over the agent "
+        "| echo path at the end (rise dB), frames without AEC3 |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
     for variant, conditions in report["quality"].items():
         for name, run in conditions.items():
@@ -326,7 +352,7 @@ def table(report: dict[str, Any]) -> str:
                 f"| {variant} | {name} | {f['self_interrupted']}/{f['replies']} | "
                 f"{f['barge_ins_missed']}/{f['barge_ins']} ({f['barge_ins_over_silence']}) | "
                 f"{silent['p50']} / {silent['p95']} | "
-                f"{f['wer']} |"
+                f"{f['wer']} | {path_cell(f.get('echo_path'))} |"
             )
     if report.get("cost"):
         rows += [
