@@ -16,7 +16,9 @@ configuration as it is: the stages and the gateway start on 127.0.0.1 and:
   (word error rate, numbers spelled out on both sides), per condition;
 - then, with the first encoder, the caller asks each question once with replies on, in a
   call of its own, the voices taken in turn; each reply the caller heard is transcribed
-  (Whisper base, in this process) and counted right when it holds one of the answer's words.
+  (Whisper base, in this process) and counted right when it holds one of the answer's words;
+  the reply's own text is judged the same way beside it (`right_said`), since the ear errs
+  too (Piper's "Oslo" heard back as "also").
 Prints a table (per-condition WER, the answers right, each reply) and writes results.json
 under --out.
 """
@@ -376,9 +378,14 @@ async def run_encoder(
                     reply["question"], reply["expected"] = question, list(answer)
                     reply["voice"] = VOICES[k % len(VOICES)]
                     reply["right"] = right(reply["heard_back"], answer)
+                    reply["right_said"] = right(reply["said"], answer)
                 result["answers"] = replies
                 n_right = sum(r["right"] for r in replies)
-                log(f"{settings}: {n_right} of {len(replies)} answers right")
+                n_said = sum(r["right_said"] for r in replies)
+                log(
+                    f"{settings}: {n_right} of {len(replies)} answers right as heard back, "
+                    f"{n_said} as said"
+                )
     wers = [c["wer"] for c in result["conditions"].values()]
     result["wer"] = round(float(np.mean(wers)), 4) if wers else None
     return result
@@ -400,13 +407,18 @@ def table(results: dict[str, Any]) -> str:
     if "answers" in first:
         replies = first["answers"]
         n_right = sum(r["right"] for r in replies)
-        lines += ["", f"answers right: {n_right} of {len(replies)}", ""]
+        n_said = sum(r["right_said"] for r in replies)
         lines += [
-            "| question | voice | heard | reply (heard back) | right |",
+            "",
+            f"answers right: {n_right} of {len(replies)} as heard back, {n_said} as said",
+            "",
+        ]
+        lines += [
+            "| question | voice | heard | reply (heard back) | right: heard back / said |",
             "|---|---|---|---|---|",
         ]
         for r in replies:
-            mark = "yes" if r["right"] else "no"
+            mark = " / ".join("yes" if r[k] else "no" for k in ("right", "right_said"))
             lines.append(
                 f"| {r['question']} | {r['voice']} | {r['heard']} | {r['heard_back']} | {mark} |"
             )
@@ -482,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                         "settings": r["settings"],
                         "wer": r["wer"],
                         "right": sum(a["right"] for a in r.get("answers", [])),
+                        "right_said": sum(a["right_said"] for a in r.get("answers", [])),
                     }
                     for r in results["encoders"]
                 ],

@@ -13,6 +13,7 @@ from loadtest.offline_quality import (
     errors,
     right,
     spelled,
+    table,
     with_noise,
     words,
 )
@@ -77,3 +78,22 @@ def test_the_parts_are_split_once_and_the_prompt_examples_are_in_neither() -> No
     examples = {e["user"] for e in offline["reasoning"].get("examples", [])}
     assert not examples & test  # a test question is never an example of the shipped prompt
     assert {c.name for c in CONDITIONS} >= {"piper", "piper noise 20 dB", "espeak:en-gb-x-rp phone"}
+
+
+def test_the_table_counts_answers_as_heard_back_and_as_said() -> None:
+    reply = {"question": "What is the capital of Norway?", "voice": "piper", "heard": "x"}
+    results = {
+        "encoders": [
+            {
+                "settings": {"encoder.backend": "ctranslate2"},
+                "conditions": {},
+                "answers": [
+                    reply | {"heard_back": "also", "right": False, "right_said": True},
+                    reply | {"heard_back": "Oslo", "right": True, "right_said": True},
+                ],
+            }
+        ]
+    }
+    text = table(results)
+    assert "answers right: 1 of 2 as heard back, 2 as said" in text
+    assert text.splitlines()[-2].endswith("| also | no / yes |")
