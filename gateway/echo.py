@@ -310,8 +310,8 @@ class EchoCanceller:
         )
         self._heard: collections.deque[float] = collections.deque(maxlen=3)  # frames in
         self.echo_frames = 0  # frames found to be only echo (ResidualEcho), brought down
-        self.frames = 0  # frames out, and of them, those of the module without the canceller
-        self.clean_frames = 0  # while there was a far end but no echo path (EchoPath)
+        self.frames = 0  # frames out
+        self.clean_frames = 0  # of them, the module's without the canceller: no echo path
         self.busy_s = 0.0
         self.counted_s = 0.0  # of busy_s, what the session has counted in its metrics
 
