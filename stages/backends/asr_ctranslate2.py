@@ -150,7 +150,7 @@ class CTranslate2Whisper:
     A turn's decode is faster-whisper's at temperature 0 for one segment (its prompt, its
     suppressed tokens, its no-speech rule), with one difference: Whisper's encoder reads the
     turn padded to `pad_to_s`, not always to 30 s. Its cost grows with its input, and a turn is
-    a few seconds: on 2 cores tiny.en's encoder took about 440 ms for 30 s and 170 ms for 10.
+    a few seconds: on 2 cores a tiny.en decode took about 540 ms padded to 30 s, 180 to 10 s.
     Whisper was trained on 30 s inputs; padded only to the end of the speech it loops (says the
     question twice), so a turn still gets several seconds of padding (docs/lab-notes.md,
     "Whisper's input, padded to less than 30 s")."""
