@@ -169,21 +169,17 @@ class CTranslate2Whisper:
         initial_prompt: str | None = None,
         pad_to_s: float = WINDOW_S,
     ) -> None:
-        from faster_whisper.tokenizer import Tokenizer
-
         self._model = model
         self.partial_interval_ms = partial_interval_ms
         self._beam_size = beam_size
         self._pad_frames = min(round(pad_to_s * FRAMES_A_SECOND), WINDOW_S * FRAMES_A_SECOND)
         self._multilingual = bool(model.model.is_multilingual)
         self._language = language
-        self._tokenizers: dict[str | None, Any] = {}
-        self._make_tokenizer = lambda lang: Tokenizer(
-            model.hf_tokenizer, self._multilingual, task="transcribe", language=lang
-        )
+        # by language: its tokenizer and the tokens a decode may not write
+        self._tokenizers: dict[str | None, tuple[Any, tuple[int, ...]]] = {}
         # Whisper's context holds 448 tokens: the prompt keeps at most half of them
         half = model.max_length // 2 - 1
-        tokenizer = self._tokenizer(language or "en")
+        tokenizer, _ = self._tokenizer(language or "en")
         self._before = (
             [tokenizer.sot_prev, *tokenizer.encode(" " + initial_prompt.strip())[-half:]]
             if initial_prompt
@@ -191,9 +187,15 @@ class CTranslate2Whisper:
         )
         self.passes = PassLog("ctranslate2 whisper", "decodes")
 
-    def _tokenizer(self, language: str | None) -> Any:
+    def _tokenizer(self, language: str | None) -> tuple[Any, tuple[int, ...]]:
         if language not in self._tokenizers:
-            self._tokenizers[language] = self._make_tokenizer(language)
+            from faster_whisper.tokenizer import Tokenizer
+            from faster_whisper.transcribe import get_suppressed_tokens
+
+            tokenizer = Tokenizer(
+                self._model.hf_tokenizer, self._multilingual, task="transcribe", language=language
+            )
+            self._tokenizers[language] = (tokenizer, get_suppressed_tokens(tokenizer, [-1]))
         return self._tokenizers[language]
 
     def open_stream(self) -> WhisperStream:
@@ -203,7 +205,6 @@ class CTranslate2Whisper:
         """Up to one window of 16 kHz int16 audio as text (thread-safe: CTranslate2 queues
         decodes beyond its workers)."""
         from faster_whisper.audio import pad_or_trim
-        from faster_whisper.transcribe import get_suppressed_tokens
 
         started = time.perf_counter()
         pcm16 = pcm16[: self.window_samples]
@@ -215,7 +216,7 @@ class CTranslate2Whisper:
         if self._multilingual and language is None:
             ((best, _), *_) = self._model.model.detect_language(encoded)[0]
             language = best[2:-2]  # "<|en|>"
-        tokenizer = self._tokenizer(language if self._multilingual else "en")
+        tokenizer, suppressed = self._tokenizer(language if self._multilingual else "en")
         prompt = [*self._before, *tokenizer.sot_sequence, tokenizer.no_timestamps]
         result = self._model.model.generate(
             encoded,
@@ -230,7 +231,7 @@ class CTranslate2Whisper:
             return_scores=True,
             return_no_speech_prob=True,
             suppress_blank=True,
-            suppress_tokens=get_suppressed_tokens(tokenizer, [-1]),
+            suppress_tokens=suppressed,
             max_initial_timestamp_index=50,
         )[0]
         tokens = result.sequences_ids[0]
