@@ -137,6 +137,9 @@ class EchoPath:
     def __init__(self) -> None:
         self.present = True
         self.rise_db: float | None = None  # the last judgement's
+        # the delay of the largest rise, 10 ms frames -> judgements: where the echo sat
+        # against the far end, over the call (the far end placed late shows as a short one)
+        self.delays: collections.Counter[int] = collections.Counter()
         span = self.WINDOW + int(self.LAGS[-1])
         # ring buffers, oldest at `_next`; a far end not seen yet is neither loud nor quiet
         self._far = np.full(span, np.nan)
@@ -167,8 +170,10 @@ class EchoPath:
             # too little of the agent, or of its pauses, at some delay to go on (the delays
             # that have enough may all be wrong ones): the last judgement stands
             return
-        best = float(np.max(loud - quiet))
+        rises = loud - quiet
+        best = float(np.max(rises))
         self.rise_db = best
+        self.delays[int(self.LAGS[int(np.argmax(rises))])] += 1
         if best >= self.PRESENT_DB:
             self.present = True
         elif best < self.ABSENT_DB:
@@ -249,11 +254,11 @@ class PlayedAudio:
         self._end = min(self._end, max(cut, 0))
         self._resampler.reset()
 
-    def delay_from(self, at: float, by_s: float) -> None:
-        """What was placed to begin at or after `at` plays `by_s` later (the phone's player
-        fell behind the send-ahead window's estimate)."""
+    def shift_from(self, at: float, by_s: float) -> None:
+        """What was placed to begin at or after `at` plays `by_s` later (earlier if negative):
+        the phone's player fell behind the send-ahead window's clock, or caught up."""
         start_at, by = self._index(at), round(by_s * CALLER_RATE)
-        if by <= 0:
+        if not by:
             return
         self._pieces = collections.deque(
             (start + by if start >= start_at else start, pcm) for start, pcm in self._pieces

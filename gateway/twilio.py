@@ -49,8 +49,46 @@ PATH = "/v1/telephony/twilio"
 MAX_PAYLOAD_BYTES = 10 * FRAME_BYTES  # 200 ms of μ-law in one media message at most
 MAX_MESSAGE_BYTES = 64 * 1024
 MARK_FRAMES = 5  # a mark after every 100 ms of the agent's audio
+LAG_MARKS = 4  # marks in a row late by as much before the player is taken to be behind
+LAG_STEP_S = 0.02  # a change in the player's lag smaller than this leaves the far end be
 BAD_FRAMES_LOGGED = 5  # a call's first bad frames are logged each; the rest are counted
 POLICY_VIOLATION = 1008  # the close code of a refused stream (RFC 6455)
+
+
+class PlayerLag:
+    """How far Twilio's player has fallen behind the send-ahead window's clock, from the
+    lateness of the marks it echoes (how long after its audio was due to end each came back).
+
+    A lateness has two parts: the mark's trip back, whose least is the floor, and the player
+    behind the clock, which lasts until it runs dry. A mark that alone comes back late was
+    held on its way (a busy event loop, here or at the phone), and the player is not behind
+    for it; so the lag is what the last `LAG_MARKS` marks all had past the floor, and falls as
+    soon as one of them comes back in time."""
+
+    def __init__(self) -> None:
+        self._floor: float | None = None
+        self._recent: collections.deque[float] = collections.deque(maxlen=LAG_MARKS)
+        self.lag = 0.0  # the lag the far end was last moved by
+        self.moves = 0  # how often the lag moved, and its largest: how steady the far end is
+        self.most = 0.0
+
+    def mark(self, late_s: float) -> float | None:
+        """A mark came back `late_s` after its audio was due to end: the player's new lag,
+        when it moved by `LAG_STEP_S` or more (else None)."""
+        self._floor = late_s if self._floor is None else min(self._floor, late_s)
+        self._recent.append(late_s)
+        lasting = min(self._recent) - self._floor if len(self._recent) == LAG_MARKS else 0.0
+        if abs(lasting - self.lag) < LAG_STEP_S:
+            return None
+        self.lag = lasting
+        self.moves += 1
+        self.most = max(self.most, lasting)
+        return lasting
+
+    def ran_dry(self) -> None:
+        """The player ran out of audio and plays the next on arrival: no lag now."""
+        self._recent.clear()
+        self.lag = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,16 +122,13 @@ class TwilioTransport:
         self._partial = b""  # μ-law of the current reply short of a whole frame
         self._bytes_of: dict[str, int] = {}  # bytes of each reply queued so far
         self._heard_of: dict[str, int] = {}  # ... and heard, by the marks echoed
-        # mark name -> (reply, bytes heard at it, when its audio should have played out)
+        # mark name -> (reply, bytes heard at it, when its audio ends by the send-ahead clock)
         self._marks: dict[str, tuple[str, int, float]] = {}
         # the echo canceller's far end: what was sent, decoded as the caller hears it, placed
-        # when it plays by the send-ahead window's clock; `_behind` is how far Twilio's player
-        # has fallen behind that clock, by the marks (`_mark_floor`: a mark's least lateness,
-        # its trip back)
+        # when it plays by the send-ahead window's clock and Twilio's player's lag behind it
         self.played_rate = CALLER_RATE
         self._decoder = G711("audio/pcmu")
-        self._behind = 0.0
-        self._mark_floor: float | None = None
+        self.player = PlayerLag()
         self._generation = 0  # marks of audio a clear dropped name an older one
         self._mark_seq = 0
         self._played_until = 0.0  # when all the audio sent so far will have played
@@ -139,7 +174,7 @@ class TwilioTransport:
         self._held = False
         self._generation += 1
         self._played_until = time.monotonic()
-        self._behind = 0.0
+        self.player.ran_dry()
         self.coder.reset()
         if self.session.played is not None:
             self.session.played.cut()
@@ -180,7 +215,8 @@ class TwilioTransport:
                 continue
             now = time.monotonic()
             if self._played_until < now:  # Twilio's player ran dry: it plays on arrival
-                self._played_until, self._behind = now, 0.0
+                self._played_until = now
+                self.player.ran_dry()
             if self._played_until - now > self.ahead_s:
                 await asyncio.sleep(self._played_until - now - self.ahead_s)
                 continue
@@ -196,7 +232,7 @@ class TwilioTransport:
             )
             if self.session.played is not None:
                 pcm = self._decoder.decode(item.payload)
-                self.session.played.play_at(pcm, self._played_until + self._behind)
+                self.session.played.play_at(pcm, self._played_until + self.player.lag)
             self._played_until += len(item.payload) / RATE
             if sent_of[item.response_id] % MARK_FRAMES == 0:
                 self._mark(item.response_id, item.end)
@@ -204,7 +240,7 @@ class TwilioTransport:
     def _mark(self, response_id: str, heard: int, done: bool = False) -> None:
         self._mark_seq += 1
         name = f"{'done' if done else 'm'}.{self._generation}.{self._mark_seq}"
-        self._marks[name] = (response_id, heard, self._played_until + self._behind)
+        self._marks[name] = (response_id, heard, self._played_until)
         self._write({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}})
 
     def marked(self, name: str) -> None:
@@ -223,15 +259,12 @@ class TwilioTransport:
             self.session.playback_done(response_id)
 
     def _follow_player(self, due: float) -> None:
-        """A mark came back whose audio was due to end at `due` by the send-ahead clock: its
-        lateness past the least seen is Twilio's player behind that clock, and the far end's
-        audio not yet played moves with it."""
-        late = time.monotonic() - due
-        self._mark_floor = late if self._mark_floor is None else min(self._mark_floor, late)
-        behind = late - self._mark_floor
-        if behind > self._behind + 0.02 and self.session.played is not None:
-            self.session.played.delay_from(due, behind - self._behind)
-            self._behind = behind
+        """A mark came back whose audio was due to end at `due` by the send-ahead clock: the
+        far end's audio not yet played moves with the player's lag."""
+        before = self.player.lag
+        lag = self.player.mark(time.monotonic() - due)
+        if lag is not None and self.session.played is not None:
+            self.session.played.shift_from(due + before, lag - before)
 
     def _write(self, message: dict[str, Any]) -> None:
         self._out.put_nowait(json.dumps(message))

@@ -209,15 +209,20 @@ async def condition(
 
 def echo_path(session: Any) -> dict[str, Any] | None:
     """What the call's canceller judged of its echo path (gateway.echo.EchoPath) by its end,
-    and the share of its frames that took the output without AEC3 (None: no canceller)."""
+    the share of its frames that took the output without AEC3, where the echo sat against the
+    far end over the call (ms -> judgements; a far end placed late shows as a short delay),
+    and how the phone player's lag moved the far end (None: no canceller)."""
     canceller = getattr(session, "echo", None)
     if canceller is None or not canceller.processing.echo:
         return None
-    path = canceller.echo_path
+    path, player = canceller.echo_path, session.transport.player
     return {
         "present": path.present,
         "rise_db": None if path.rise_db is None else round(path.rise_db, 1),
         "frames_without_aec3": round(canceller.clean_frames / max(canceller.frames, 1), 3),
+        "echo_delay_ms": {str(10 * k): n for k, n in sorted(path.delays.items())},
+        "player_lag_moves": player.moves,
+        "player_lag_most_ms": round(player.most * 1000),
     }
 
 
@@ -332,17 +337,23 @@ def cost(args: Any, cancel: bool, echo: EchoSettings) -> dict[str, Any]:
 
 def path_cell(path: dict[str, Any] | None) -> str:
     if path is None:
-        return "-"
+        return "- | - | -"
     judged = "there" if path["present"] else "none"
-    return f"{judged} ({path['rise_db']}), {path['frames_without_aec3']:.0%}"
+    delays = [int(ms) for ms in path.get("echo_delay_ms", {})]
+    spread = f"{min(delays)}-{max(delays)}" if delays else "-"
+    return (
+        f"{judged} ({path['rise_db']}), {path['frames_without_aec3']:.0%} | {spread} | "
+        f"{path.get('player_lag_moves', 0)} ({path.get('player_lag_most_ms', 0)})"
+    )
 
 
 def table(report: dict[str, Any]) -> str:
     rows = [
         "| canceller | echo | self-interrupted replies | barge-ins missed (over silence, apart) "
         "| onset → agent silent p50 / p95 ms | WER of the words over the agent "
-        "| echo path at the end (rise dB), frames without AEC3 |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| echo path at the end (rise dB), frames without AEC3 | echo's delay behind the far "
+        "end, ms | player lag moves (most ms) |",
+        "|---|---|---:|---:|---:|---:|---|---|---|",
     ]
     for variant, conditions in report["quality"].items():
         for name, run in conditions.items():

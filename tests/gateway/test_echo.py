@@ -1,5 +1,6 @@
-"""gateway.echo: the far end's timeline (a clock of the test's), the processing a session
-gets, and WebRTC's echo canceller on a synthetic speakerphone (the real module)."""
+"""gateway.echo: the far end's timeline (a clock of the test's) and the phone player's lag
+that moves it (gateway.twilio.PlayerLag), the processing a session gets, and WebRTC's echo
+canceller on a synthetic speakerphone (the real module)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gateway.echo import (
     ResidualEcho,
     audio_processing,
 )
+from gateway.twilio import LAG_MARKS, PlayerLag
 
 RATE = 16_000
 
@@ -109,16 +111,25 @@ def test_play_next_follows_what_is_placed_and_a_cut_drops_what_has_not_played() 
     assert voiced[-1] < int(0.07 * RATE)
 
 
-def test_delay_from_moves_what_had_not_begun() -> None:
+@pytest.mark.parametrize("taken_back", [False, True])
+def test_shift_from_moves_what_had_not_begun(taken_back) -> None:
     clock = Clock()
     played = PlayedAudio(RATE, clock)
     start = clock.now
     played.play_next(tone(0.1))
     later = played.play_next(tone(0.1, 2000))
-    played.delay_from(later, 0.05)
+    played.shift_from(later, 0.05)
+    if taken_back:  # the player caught up: back where it was
+        played.shift_from(later + 0.05, -0.05)
     out = played.take(int(0.4 * RATE), start + 0.4 + MARGIN / RATE)
-    assert not out[int(0.1 * RATE) : int(0.15 * RATE)].any()  # the gap the delay made
-    assert np.abs(out[int(0.15 * RATE) : int(0.25 * RATE)]).max() > 1000
+    second = slice(int(0.1 * RATE), int(0.2 * RATE))
+    if taken_back:
+        assert (
+            np.count_nonzero(out[second]) > 0.9 * len(out[second]) and not out[second.stop :].any()
+        )
+    else:
+        assert not out[int(0.1 * RATE) : int(0.15 * RATE)].any()  # the gap the delay made
+        assert np.abs(out[int(0.15 * RATE) : int(0.25 * RATE)]).max() > 1000
 
 
 def test_processing_follows_noise_reduction_then_the_transports_default() -> None:
@@ -279,6 +290,16 @@ def test_an_echo_path_is_there_though_the_caller_talks_in_the_agents_pauses(echo
     assert path.rise_db is not None and path.rise_db >= EchoPath.PRESENT_DB
 
 
+def test_the_echo_path_is_judged_at_the_echos_delay() -> None:
+    # a far end loud or quiet at random, as syllables come (without the synthetic call's
+    # period, which fits several delays); its echo 12 dB down and 160 ms late
+    rng = np.random.default_rng(1)
+    far = np.where(rng.random(1500) < 0.5, rng.normal(-20, 3, 1500), -100.0)
+    echo = np.concatenate([np.full(16, -200.0), far[:-16] - 12])
+    path, _ = judged(far, power_sum(rng.normal(-60, 0.5, 1500), echo))
+    assert set(path.delays) == {16}, path.delays
+
+
 @pytest.mark.parametrize("caller_over_s", [0.0, 0.5])
 def test_no_echo_path_is_found_once_the_agent_has_played(caller_over_s) -> None:
     far, mic = call_levels(30, None, caller_over_s=caller_over_s)
@@ -336,3 +357,29 @@ def test_with_no_echo_path_the_callers_words_over_the_agent_keep_their_level(mak
     lost = [rms_db(near[k : k + FRAME]) - rms_db(o) for k, o in zip(voiced, later, strict=True)]
     assert np.median(lost) < 1.0, np.median(lost)
     assert np.percentile(lost, 90) < 3.0, np.percentile(lost, 90)
+
+
+class TestPlayerLag:
+    """The phone player's lag behind the send-ahead clock, from its marks' lateness."""
+
+    def test_one_mark_held_on_its_way_is_no_lag(self) -> None:
+        lag = PlayerLag()
+        for late in (0.03, 0.03, 0.03, 0.03, 0.35, 0.03, 0.03):
+            assert lag.mark(late) is None
+        assert lag.lag == 0.0
+
+    def test_a_lateness_that_lasts_is_the_players_and_is_taken_back_when_it_ends(self) -> None:
+        lag = PlayerLag()
+        moves = [lag.mark(late) for late in [0.03] * 4 + [0.13] * (LAG_MARKS + 1) + [0.03]]
+        assert moves[: 4 + LAG_MARKS - 1] == [None] * (4 + LAG_MARKS - 1)
+        assert moves[4 + LAG_MARKS - 1] == pytest.approx(0.10)  # late in all of the last marks
+        assert moves[-2] is None and moves[-1] == pytest.approx(0.0)
+
+    def test_running_dry_ends_the_lag(self) -> None:
+        lag = PlayerLag()
+        for late in [0.03] + [0.23] * LAG_MARKS:
+            lag.mark(late)
+        assert lag.lag == pytest.approx(0.2)
+        lag.ran_dry()
+        assert lag.lag == 0.0
+        assert lag.mark(0.03) is None
