@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -39,6 +40,19 @@ POLL_S = 0.05  # how often a blocked thread looks at its stop flag
 HEARTBEAT_S = 0.1  # an idle sender's heartbeat
 DEAD_AFTER_S = 0.5  # a receiver that hears nothing for this long calls the link dead
 HWM = 256  # frames queued in each socket: "full" still means "behind by about a ring"
+
+
+@dataclass(frozen=True)
+class LinkTiming:
+    """A crossing link's liveness (`cluster.heartbeat_ms`, `cluster.dead_after_ms`): how often
+    an idle sender says it is there, and how long its receiver hears nothing before it calls
+    the link dead and fails the calls on it."""
+
+    heartbeat_s: float = HEARTBEAT_S
+    dead_after_s: float = DEAD_AFTER_S
+
+
+DEFAULT_TIMING = LinkTiming()
 
 
 class RingToWire:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shm import reap_stale
+from stages.bridge import LinkTiming
 from stages.config import ClusterConfig, PipelineConfig
 from stages.rings import LOCAL, RingNames
 from stages.supervisor import Progress, StageStartError, Supervisor
@@ -45,11 +46,17 @@ def links_from_json(endpoints: dict[str, str]) -> dict[tuple[str, str], str]:
     return out
 
 
-def request(config: PipelineConfig, names: RingNames) -> dict[str, Any]:
-    """What a stage host is created with: the pipeline's config and the names seen from it,
-    in JSON's types (Ray keeps them to create the actor again after a restart)."""
+def link_timing(cluster: ClusterConfig) -> LinkTiming:
+    return LinkTiming(cluster.heartbeat_ms / 1000, cluster.dead_after_ms / 1000)
+
+
+def request(config: PipelineConfig, names: RingNames, timing: LinkTiming) -> dict[str, Any]:
+    """What a stage host is created with: the pipeline's config, the names seen from it and
+    its links' timing, in JSON's types (Ray keeps them to create the actor again after a
+    restart)."""
     return {
         "config": config.model_dump(mode="json", include=set(PipelineConfig.model_fields)),
+        "link_timing": [timing.heartbeat_s, timing.dead_after_s],
         "names": {
             "prefix": names.prefix,
             "replicas": [list(r) for r in names.replicas],
@@ -60,7 +67,7 @@ def request(config: PipelineConfig, names: RingNames) -> dict[str, Any]:
     }
 
 
-def from_request(asked: dict[str, Any]) -> tuple[PipelineConfig, RingNames]:
+def from_request(asked: dict[str, Any]) -> tuple[PipelineConfig, RingNames, LinkTiming]:
     n = asked["names"]
     names = RingNames(
         n["prefix"],
@@ -69,7 +76,7 @@ def from_request(asked: dict[str, Any]) -> tuple[PipelineConfig, RingNames]:
         tuple((instance, host) for instance, host in n["hosts"]),
         n["host"],
     )
-    return PipelineConfig(**asked["config"]), names
+    return PipelineConfig(**asked["config"]), names, LinkTiming(*asked["link_timing"])
 
 
 def check_advertised(what: str, wanted: set[str], address: str) -> None:
@@ -98,10 +105,12 @@ class StageHost:
         # a host that died on this node (or, in tests, on a node sharing its /dev/shm) left
         # segments of the same names, their owner gone
         reap_stale()
-        config, names = from_request(asked)
+        config, names, timing = from_request(asked)
         self.address = ray.util.get_node_ip_address()  # the node's, as its raylet was given
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.supervisor = Supervisor(config, names=names, link_address=self.address)
+        self.supervisor = Supervisor(
+            config, names=names, link_address=self.address, link_timing=timing
+        )
         self.endpoints = self.supervisor.open_links()
         self.started = False
 
@@ -181,6 +190,7 @@ class ClusterSupervisor(Supervisor):
             gateways=gateways,
             names=names,
             link_address=cluster.link_address,
+            link_timing=link_timing(cluster),
         )
         self.cluster = cluster
         self.place_also = place_also
@@ -240,7 +250,7 @@ class ClusterSupervisor(Supervisor):
                 num_cpus=0,
                 max_restarts=-1,  # on another node when its node dies
                 max_task_retries=0,  # a call to a dead host fails at once; the watcher retries
-            ).remote(request(self.config, self.names.on(name)))
+            ).remote(request(self.config, self.names.on(name), self.link_timing))
             self.hosts[name] = _Host(name, actor)
         timeout = self.cluster.start_timeout_s
         for host in self.hosts.values():

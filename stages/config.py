@@ -463,6 +463,17 @@ class ClusterConfig(Strict):
     watch_interval_s: float = Field(
         0.25, gt=0, description="how often each stage host is asked whether it is the same"
     )
+    heartbeat_ms: int = Field(
+        100, ge=10, le=5000, description="how often an idle link between hosts says it is there"
+    )
+    dead_after_ms: int = Field(
+        500,
+        ge=50,
+        le=60000,
+        description="how long a link between hosts hears nothing before it is called dead and "
+        "the calls on it are failed: lower finds a lost host sooner, higher rides out a host "
+        "starved of CPU",
+    )
 
     @field_validator("groups")
     @classmethod
@@ -501,6 +512,11 @@ class ClusterConfig(Strict):
             )
         if not self.gateway_resources:
             raise ValueError("cluster.gateway_resources: at least one resource, e.g. gateway: 1")
+        if self.dead_after_ms < 3 * self.heartbeat_ms:
+            raise ValueError(
+                f"cluster.dead_after_ms ({self.dead_after_ms}) must be at least 3 heartbeats "
+                f"(cluster.heartbeat_ms: {self.heartbeat_ms}): one late heartbeat would end calls"
+            )
         return self
 
     @property

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 
 from shm import Control, Ring
-from stages.bridge import RingToWire, WireToRing
+from stages.bridge import DEFAULT_TIMING, LinkTiming, RingToWire, WireToRing
 from stages.messages import STAGE_RESTARTED, Error, SessionClose
 from stages.rings import GATEWAY, RingNames, RingSet, RingWriter, role_of
 
@@ -62,8 +62,10 @@ class CrossingLinks:
     holds), and the calls on it are failed (a stage lost to a gateway here) or closed (a
     gateway lost to a stage here)."""
 
-    def __init__(self, names: RingNames, rings: RingSet, address: str) -> None:
-        self.names, self.rings, self.address = names, rings, address
+    def __init__(
+        self, names: RingNames, rings: RingSet, address: str, timing: LinkTiming = DEFAULT_TIMING
+    ) -> None:
+        self.names, self.rings, self.address, self.timing = names, rings, address, timing
         self.incarnation = uuid.uuid4().hex
         self.inbound: dict[tuple[str, str], WireToRing] = {}
         self.outbound: dict[tuple[str, str], RingToWire] = {}
@@ -76,6 +78,7 @@ class CrossingLinks:
                         link=link_name(src, dst),
                         control=rings.control,
                         on_down=functools.partial(self._down, src, dst),
+                        dead_after_s=timing.dead_after_s,
                     )
         except BaseException:
             self.stop()
@@ -105,6 +108,7 @@ class CrossingLinks:
                 endpoints[(src, dst)],
                 link=link_name(src, dst),
                 incarnation=self.incarnation,
+                heartbeat_s=self.timing.heartbeat_s,
             )
             sender.start()
             self.outbound[(src, dst)] = sender

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shm import reap_stale
+from stages.bridge import DEFAULT_TIMING, LinkTiming
 from stages.config import PipelineConfig
 from stages.crossing import CrossingLinks, close_sessions, fail_served_sessions
 from stages.mps import MpsDaemon, client_env
@@ -87,15 +88,17 @@ class Supervisor:
         gateways: int = 1,
         names: RingNames | None = None,
         link_address: str = "127.0.0.1",
+        link_timing: LinkTiming = DEFAULT_TIMING,
     ) -> None:
         """`gateways`: how many gateway processes will attach (each gets its own rings).
         `names`: a pipeline placed across hosts (`RingNames.placed`), seen from this
         supervisor's host: only the stages on it are run here, and the links that cross to
-        other hosts are received on `link_address` (`open_links`, then `links.connect`)."""
+        other hosts are received on `link_address` (`open_links`, then `links.connect`), live
+        by `link_timing`."""
         self.config = config
         self.log_level = log_level
         self.names = names or RingNames.of(config, gateways)
-        self.link_address = link_address
+        self.link_address, self.link_timing = link_address, link_timing
         self.rings: RingSet | None = None
         self.links: CrossingLinks | None = None
         # by instance: 'encoder', 'reasoning', 'vocoder' and the vocoder's replicas, on this host
@@ -139,7 +142,7 @@ class Supervisor:
         if self.rings is None:
             self.rings = RingSet(self.names, self.config)
         if self.links is None and self.names.hosts:
-            self.links = CrossingLinks(self.names, self.rings, self.link_address)
+            self.links = CrossingLinks(self.names, self.rings, self.link_address, self.link_timing)
         return self.links.endpoints if self.links is not None else {}
 
     def _start_mps(self, progress: Progress) -> None:

@@ -116,6 +116,17 @@ def test_shipped_configs_are_valid(name: str) -> None:
             {"cluster": {"address": "127.0.0.4:6379", "gateway_hosts": 0}},
             "cluster.gateway_hosts: Input should be greater than or equal to 1",
         ),
+        (
+            {
+                "cluster": {
+                    "address": "127.0.0.4:6379",
+                    "groups": {"b": {"stages": ["vocoder"]}},
+                    "heartbeat_ms": 200,
+                    "dead_after_ms": 500,
+                }
+            },
+            "cluster.dead_after_ms (500) must be at least 3 heartbeats",
+        ),
         # keys of earlier configurations name where they went
         (
             {"gateway__prepare_reply_ms": 80},
