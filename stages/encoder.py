@@ -365,7 +365,7 @@ class EncoderStage(QueuedStage):
             self.send(GATEWAY, session, unjudged, epoch=turn.epoch)
             return
         t0 = time.monotonic_ns()
-        turn.paused = PausedTurn(peek())
+        turn.paused = PausedTurn(peek(paused.silence_to_come_ms * CALLER_RATE // 1000))
         self._count_model_time(turn, t0)  # a turn that ended meanwhile waits for it
         early = Transcript(
             turn.turn_id,

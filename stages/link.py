@@ -136,9 +136,15 @@ class PipelineLink:
         self._send("encoder", session, stopped)
         return t
 
-    def turn_paused(self, session: int, turn_id: int, create_response: bool = True) -> None:
+    def turn_paused(
+        self,
+        session: int,
+        turn_id: int,
+        create_response: bool = True,
+        silence_to_come_ms: int = 0,
+    ) -> None:
         """The caller paused: the stages may prepare the reply, held until the turn ends."""
-        self._send("encoder", session, TurnPaused(turn_id, create_response))
+        self._send("encoder", session, TurnPaused(turn_id, create_response, silence_to_come_ms))
 
     def turn_resumed(self, session: int, turn_id: int) -> None:
         """The caller went on after a pause: drop what was prepared."""

@@ -88,6 +88,10 @@ class TurnPaused(Msg):
 
     turn_id: int
     create_response: bool = True
+    # the silence the turn will end with beyond this pause if nothing more is said: the turn
+    # so far is transcribed with as much silence after it, so that the transcript at the pause
+    # is the one the whole turn would get (Whisper's words move with the audio's length)
+    silence_to_come_ms: int = 0
 
 
 class TurnResumed(Msg):

@@ -160,7 +160,12 @@ class CallerTurns:
                 # the encoder transcribes what it has: everything the caller said, up to now
                 if (rest := self.chunker.flush()) is not None:
                     self.link.send_audio(self.session, rest)
-                self.link.turn_paused(self.session, self.turn_id, self.create_response)
+                self.link.turn_paused(
+                    self.session,
+                    self.turn_id,
+                    self.create_response,
+                    vad_event.silence_to_come_ms,
+                )
                 if self.judge is not None:  # semantic_vad weighs the words at this pause
                     self.judge.expect_words(vad_event.speech_end_ms)
             elif isinstance(vad_event, VadResume):

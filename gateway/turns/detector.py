@@ -72,6 +72,7 @@ class VadPause:
     can be prepared now, and is either wanted (VadStop follows) or not (VadResume)."""
 
     speech_end_ms: int
+    silence_to_come_ms: int = 0  # until the silence window ends the turn, if nothing is said
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,5 +258,6 @@ class TurnDetector:
             and frame_end_ms - self._speech_end_ms >= self.pause_ms
         ):
             self._paused = True
-            return [VadPause(self._speech_end_ms)]
+            quiet_ms = frame_end_ms - self._speech_end_ms
+            return [VadPause(self._speech_end_ms, max(0, self.silence_duration_ms - quiet_ms))]
         return []

@@ -164,8 +164,9 @@ class PocketSphinxStream:
         for start in range(0, len(pcm16), self._slice):
             decoder.process_raw(pcm16[start : start + self._slice].tobytes(), False, False)
 
-    def peek(self) -> str:
-        """The final transcript if the turn ended now (the final search runs now); the stream
+    def peek(self, silence_after: int = 0) -> str:
+        """The final transcript if the turn ended now (the final search runs now; pocketsphinx
+        decodes the audio as it is fed, and `silence_after` is not fed to it); the stream
         stays open: more audio decodes the whole turn again, `finish` returns this at once."""
         decoder = self._live_decoder("peek")
         if self._peeked is None:

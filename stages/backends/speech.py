@@ -56,8 +56,9 @@ class RecognizerStream(Protocol):
         """Drop the turn without a result (cancel); idempotent."""
         ...
 
-    # A backend's stream may also have `peek() -> str`: the final transcript if the turn ended
-    # now, the stream staying open (the encoder's early transcript at a pause; stages.encoder).
+    # A backend's stream may also have `peek(silence_after: int = 0) -> str`: the final
+    # transcript if the turn ended after `silence_after` more samples of silence, the stream
+    # staying open (the encoder's early transcript at a pause; stages.encoder).
 
 
 class Voice(Protocol):

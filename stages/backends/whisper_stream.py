@@ -61,12 +61,19 @@ class WhisperStream:
             return text
         return None
 
-    def peek(self) -> str:
-        """The transcript if the turn ended now; the stream stays open for more audio."""
+    def peek(self, silence_after: int = 0) -> str:
+        """The transcript if the turn ended after `silence_after` more samples of silence (the
+        same words as `finish` would give then: Whisper's can change with the audio's length
+        alone); the stream stays open for more audio."""
         if self._done:
             raise StreamClosedError("cannot peek: this recognizer stream is finished or closed")
-        tail = self._recognizer.transcribe(self._window()) if self._buffered else ""
-        return self._text(tail)
+        if not self._buffered:
+            return self._text("")
+        audio = self._window()
+        room = self._recognizer.window_samples - len(audio)
+        if silence_after > 0 and room > 0:
+            audio = np.concatenate([audio, np.zeros(min(silence_after, room), np.int16)])
+        return self._text(self._recognizer.transcribe(audio))
 
     def finish(self) -> str:
         """Decode what is buffered and return the turn's transcript."""

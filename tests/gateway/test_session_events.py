@@ -52,7 +52,9 @@ class RecordingLink:
         self._note("speech_stopped", session, turn_id, audio_end_ms, create_response)
         return 0
 
-    def turn_paused(self, session: int, turn_id: int, create_response: bool = True) -> None:
+    def turn_paused(
+        self, session: int, turn_id: int, create_response: bool = True, silence_to_come_ms=0
+    ) -> None:
         self._note("turn_paused", session, turn_id, create_response)
 
     def turn_resumed(self, session: int, turn_id: int) -> None:

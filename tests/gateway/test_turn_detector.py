@@ -133,7 +133,7 @@ def test_a_pause_is_reported_early_then_resumed_or_ended(sentence: np.ndarray) -
     (paused_at, paused), (stopped_at, stopped) = events[-2:]
     assert paused.speech_end_ms == stopped.speech_end_ms  # the same end of speech
     assert paused_at - paused.speech_end_ms == 200
-    assert stopped_at - paused_at == 300
+    assert stopped_at - paused_at == 300 == paused.silence_to_come_ms
     # without pause_ms, the same audio gives only the turn
     kinds = [type(e) for _, e in run(TurnDetector(silence_duration_ms=500), pcm)]
     assert kinds == [VadStart, VadStop]

@@ -204,6 +204,19 @@ def test_peek_transcribes_the_turn_so_far_and_leaves_it_open(recognizer, make_sp
         stream.peek()
 
 
+def test_peek_hears_the_turn_with_the_silence_to_come(recognizer, make_speech, monkeypatch):
+    """At a pause the turn is transcribed with as much silence after it as the turn will end
+    with, so that its words are the ones the whole turn gets."""
+    speech = make_speech("tell me something nice")
+    decodes = count_decodes(recognizer, monkeypatch)
+    stream = recognizer.open_stream()
+    stream.feed(speech.pcm16)
+    early = stream.peek(silence_after=6720)
+    assert decodes[-1] == len(speech.pcm16) + 6720
+    stream.feed(np.zeros(6720, np.int16))
+    assert stream.finish() == early
+
+
 @pytest.mark.parametrize("loop", ["greedy", "static"])
 def test_greedy_decoding_says_what_generate_says(tiny_whisper, make_speech, loop):
     """The lean loops (stages.backends.whisper_greedy and whisper_static) against transformers'
