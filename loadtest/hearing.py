@@ -2,7 +2,7 @@
 process: a fast way to choose on the tuning part before loadtest.offline_quality reports the
 choice through the gateway on the test part.
 
-    python -m loadtest.hearing [--part tuning] [--limit N] [--out DIR]
+    python -m loadtest.hearing [--part tuning] [--limit N] [--out DIR] [--pause-ms 80]
         [--variants 'tiny.en beam 5=bundled:whisper-tiny.en,beam_size=5;...']
 
 Each question of the part is said in every one of loadtest.offline_quality's `CONDITIONS` and
@@ -12,8 +12,15 @@ encoder and decoder, 20 ms frames) then the gateway's downmix to 16 kHz, or for 
 and its options, `loadtest.hearing.parse_variants`) then transcribes each clip whole, as the
 encoder's last decode of a turn does, one at a time on `cpu_threads` threads. Per variant:
 the mean word error rate, by condition, and the decode's time p50/p95 (the time to the
-transcript once the turn has ended). Prints JSON and a table; writes results.json and
-table.md under --out.
+transcript once the turn has ended).
+
+With `--pause-ms`, the transcript at the caller's pause against the whole turn's (the reply
+prepared at the pause answers the one, the turn ends with the other). Each clip, between
+silences, goes through the gateway's VAD (gateway.turns.detector, a 500 ms window) as a turn,
+and is transcribed three ways: whole, as the window ends it; up to its last pause of that
+many ms; and up to that pause with the silence the window would still add after it, as the
+encoder does. Per variant: how many of each equal the whole turn's, and each one's WER.
+Prints JSON and a table; writes results.json and table.md under --out.
 """
 
 from __future__ import annotations
@@ -139,6 +146,93 @@ def run_variant(
     }
 
 
+SILENCE_MS = 500  # the VAD's window, the default's
+
+
+def at_pause(audio: np.ndarray, pause_ms: int) -> tuple[np.ndarray, int, int] | None:
+    """`audio` said between silences, as the gateway's VAD makes it a turn: the turn's audio
+    up to its end, where its last pause began (samples), and the silence still to come then
+    (samples); None if the VAD found no turn with a pause."""
+    from gateway.turns.detector import TurnDetector, VadPause, VadStart, VadStop
+    from stages.messages import CALLER_RATE, FRAME_SAMPLES
+
+    quiet = np.zeros(CALLER_RATE, np.int16)
+    audio = np.concatenate([quiet, audio, quiet])
+    detector = TurnDetector(silence_duration_ms=SILENCE_MS, pause_ms=pause_ms)
+    turn: list[np.ndarray] = []
+    paused: tuple[int, int] | None = None
+    for start in range(0, len(audio) - FRAME_SAMPLES + 1, FRAME_SAMPLES):
+        frame = audio[start : start + FRAME_SAMPLES]
+        for event in detector.feed(frame):
+            if isinstance(event, VadStart):
+                turn, paused = [event.prefix], None
+            elif isinstance(event, VadPause):
+                to_come = event.silence_to_come_ms * CALLER_RATE // 1000
+                paused = (sum(len(a) for a in turn), to_come)
+            elif isinstance(event, VadStop):
+                return None if paused is None else (np.concatenate(turn), *paused)
+        if detector.in_speech:
+            turn.append(frame)
+    return None
+
+
+def run_pauses(
+    variant: Variant, clips: dict[str, list[np.ndarray]], texts: list[str], pause_ms: int
+) -> dict[str, Any]:
+    """The variant's transcripts at the pause against the whole turn's (`--pause-ms`)."""
+    from stages.backends import bundled
+    from stages.backends.asr_ctranslate2 import load_ctranslate2_whisper
+
+    options = {"cpu_threads": 2} | variant.options
+    recognizer = load_ctranslate2_whisper(bundled.resolve(variant.model), **options)
+    ways = ("whole", "at_pause", "with_silence")
+    same = dict.fromkeys(ways, 0)
+    edits = dict.fromkeys(ways, 0)
+    words = turns = 0
+    for audios in clips.values():
+        for text, audio in zip(texts, audios, strict=True):
+            if (found := at_pause(audio, pause_ms)) is None:
+                continue
+            turn, end, to_come = found
+            heard = {
+                "whole": recognizer.transcribe(turn),
+                "at_pause": recognizer.transcribe(turn[:end]),
+                "with_silence": recognizer.transcribe(
+                    np.concatenate([turn[:end], np.zeros(to_come, np.int16)])
+                ),
+            }
+            turns += 1
+            for way, said in heard.items():
+                same[way] += said == heard["whole"]
+                e, n = errors(text, said)
+                edits[way] += e
+            words += n
+    return {
+        "model": variant.model,
+        "options": options,
+        "pause_ms": pause_ms,
+        "turns": turns,
+        "same_as_whole": same,
+        "wer": {way: round(edits[way] / max(words, 1), 4) for way in ways},
+    }
+
+
+def pause_table(results: dict[str, Any]) -> str:
+    lines = [
+        "| variant | pause ms | turns | at the pause: same as the whole turn's, WER | "
+        "with the silence to come: same, WER | the whole turn's WER |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        same, wer = r["same_as_whole"], r["wer"]
+        lines.append(
+            f"| {name} | {r['pause_ms']} | {r['turns']} | {same['at_pause']}, "
+            f"{wer['at_pause']:.3f} | {same['with_silence']}, {wer['with_silence']:.3f} | "
+            f"{wer['whole']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: dict[str, Any]) -> str:
     conditions = [c.name for c in CONDITIONS]
     lines = [
@@ -162,10 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", type=parse_variants, default=parse_variants(";".join(DEFAULT_VARIANTS))
     )
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    parser.add_argument("--pause-ms", type=int, help="the transcript at a pause this long")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit {args.limit}: must be at least 1")
+    if args.pause_ms is not None and not 0 < args.pause_ms < SILENCE_MS:
+        parser.error(f"--pause-ms {args.pause_ms}: must be between 0 and {SILENCE_MS} ms")
     texts = [text for text, _ in PARTS[args.part][: args.limit]]
     started = time.monotonic()
     clips = {}
@@ -174,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{condition.name}: {len(texts)} questions said")
     results = {}
     for variant in args.variants:
-        results[variant.name] = run_variant(variant, clips, texts)
-        r = results[variant.name]
+        if args.pause_ms is not None:
+            results[variant.name] = r = run_pauses(variant, clips, texts, args.pause_ms)
+            log(f"{variant.name}: of {r['turns']} turns the same at the pause {r['same_as_whole']}")
+            continue
+        results[variant.name] = r = run_variant(variant, clips, texts)
         log(f"{variant.name}: mean WER {r['mean_wer']}, decode p50 {r['decode_ms']['p50']} ms")
     report = {
         "date": datetime.date.today().isoformat(),
@@ -186,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.monotonic() - started, 1),
         "variants": results,
     }
-    publish(report, table(results), args.out)
+    publish(report, (table if args.pause_ms is None else pause_table)(results), args.out)
     return 0
 
 

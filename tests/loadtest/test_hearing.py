@@ -1,5 +1,5 @@
-"""loadtest.hearing's parts: its variants as written on the command line, and the codecs that
-bring a clip to the encoder as the gateway would get it."""
+"""loadtest.hearing's parts: its variants as written on the command line, the codecs that
+bring a clip to the encoder as the gateway would get it, and a clip made a turn with a pause."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import argparse
 import numpy as np
 import pytest
 
-from loadtest.hearing import Variant, parse_variants, through_opus, through_phone
+from loadtest.hearing import (
+    SILENCE_MS,
+    Variant,
+    at_pause,
+    parse_variants,
+    through_opus,
+    through_phone,
+)
 
 
 def test_variants_are_a_name_a_model_and_yaml_options() -> None:
@@ -34,3 +41,15 @@ def test_a_clip_comes_out_at_16_khz_as_long_and_nearly_as_loud(carry, rate) -> N
     level = np.sqrt(np.mean(out[4000:12000].astype(np.float64) ** 2))
     # aiortc's Opus takes a mono sender's frames as stereo, 3 dB down, as the gateway gets them
     assert 0.65 < level / (8000 / np.sqrt(2)) < 1.05
+
+
+def test_a_clip_is_a_turn_whose_last_pause_leaves_the_windows_silence_to_come(make_speech):
+    speech = make_speech("what is the capital of france").pcm16
+    found = at_pause(speech, 80)
+    assert found is not None
+    turn, end, to_come = found
+    # the turn runs on from its last pause until the window ends it: what is still to come
+    assert end + to_come == len(turn)
+    assert 0 < to_come <= (SILENCE_MS - 80) * 16  # 80 ms or more of the pause had passed
+    quiet = np.abs(turn[end:].astype(np.int32)).max()
+    assert quiet < 0.05 * np.abs(turn[:end].astype(np.int32)).max()  # the pause is silence
