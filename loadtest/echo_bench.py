@@ -18,7 +18,8 @@ echo at all, the reference. In each condition one call:
 - then `--barge-ins` times talks over a reply a second into it, while the agent's voice
   plays: missed if no `clear` came within 5 s; the time from the interruption's onset (its
   first voiced frame sent) to the agent silent at the phone (its last voiced frame played),
-  left out where the agent was between phrases at the onset; the interruption's transcript
+  left out where the agent was not heard on both sides of the onset (its reply ended, or
+  paused between phrases, there: counted apart); the interruption's transcript
   against its text (word error rate; the reference is the same speech with no echo);
 - with the canceller on, what it judged of the call's echo path by the end
   (gateway.echo.EchoPath) and the share of frames that took the output without AEC3.
@@ -184,8 +185,11 @@ async def condition(
             )
             await until(lambda o=onset: silent_after(phone, o) is not None, 10)
             silent = silent_after(phone, onset)
-            # the agent between two phrases at the onset: nothing to fall silent
-            playing = any(onset - AUDIBLE_S <= t <= onset for t in phone.voiced_at)
+            # the agent heard on both sides of the onset: a reply that ended, or paused
+            # between two phrases, at the onset had nothing there to interrupt
+            playing = any(onset - AUDIBLE_S <= t <= onset for t in phone.voiced_at) and any(
+                onset < t <= onset + AUDIBLE_S for t in phone.voiced_at
+            )
             await hear_reply(phone)  # the answer to it, or the rest of the reply it missed
             # the caller's turns since the question's: the interruption's words
             said = " ".join(t for t in user_transcripts(session)[heard_before:] if t)
