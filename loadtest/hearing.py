@@ -114,14 +114,20 @@ def heard_as(condition: Condition, texts: list[str]) -> list[np.ndarray]:
     return [carry(clip) for clip in utterances(condition, texts)]
 
 
-def run_variant(
-    variant: Variant, clips: dict[str, list[np.ndarray]], texts: list[str]
-) -> dict[str, Any]:
+def loaded(variant: Variant) -> tuple[dict[str, Any], Any]:
+    """The variant's options (2 threads unless it says) and its recognizer, loaded with
+    them; no partial transcripts, as the offline profile."""
     from stages.backends import bundled
     from stages.backends.asr_ctranslate2 import load_ctranslate2_whisper
 
-    options = {"cpu_threads": 2} | variant.options
-    recognizer = load_ctranslate2_whisper(bundled.resolve(variant.model), **options)
+    options = {"cpu_threads": 2, "partial_interval_ms": 0} | variant.options
+    return options, load_ctranslate2_whisper(bundled.resolve(variant.model), **options)
+
+
+def run_variant(
+    variant: Variant, clips: dict[str, list[np.ndarray]], texts: list[str]
+) -> dict[str, Any]:
+    options, recognizer = loaded(variant)
     by_condition: dict[str, Any] = {}
     seconds: list[float] = []
     for name, audios in clips.items():
@@ -179,12 +185,9 @@ def at_pause(audio: np.ndarray, pause_ms: int) -> tuple[np.ndarray, int, int] | 
 def run_pauses(
     variant: Variant, clips: dict[str, list[np.ndarray]], texts: list[str], pause_ms: int
 ) -> dict[str, Any]:
-    """The variant's transcripts at the pause against the whole turn's (`--pause-ms`)."""
-    from stages.backends import bundled
-    from stages.backends.asr_ctranslate2 import load_ctranslate2_whisper
-
-    options = {"cpu_threads": 2} | variant.options
-    recognizer = load_ctranslate2_whisper(bundled.resolve(variant.model), **options)
+    """The variant's transcripts at the pause against the whole turn's (`--pause-ms`), the
+    pause's through the encoder's own stream (`peek`, with and without the silence)."""
+    options, recognizer = loaded(variant)
     ways = ("whole", "at_pause", "with_silence")
     same = dict.fromkeys(ways, 0)
     edits = dict.fromkeys(ways, 0)
@@ -194,19 +197,22 @@ def run_pauses(
             if (found := at_pause(audio, pause_ms)) is None:
                 continue
             turn, end, to_come = found
-            heard = {
-                "whole": recognizer.transcribe(turn),
-                "at_pause": recognizer.transcribe(turn[:end]),
-                "with_silence": recognizer.transcribe(
-                    np.concatenate([turn[:end], np.zeros(to_come, np.int16)])
-                ),
-            }
+            stream = recognizer.open_stream()
+            try:
+                stream.feed(turn[:end])
+                heard = {
+                    "whole": recognizer.transcribe(turn),
+                    "at_pause": stream.peek(),
+                    "with_silence": stream.peek(to_come),
+                }
+            finally:
+                stream.close()
             turns += 1
             for way, said in heard.items():
                 same[way] += said == heard["whole"]
                 e, n = errors(text, said)
                 edits[way] += e
-            words += n
+            words += n  # the question's words: the same for each way
     return {
         "model": variant.model,
         "options": options,
